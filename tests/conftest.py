@@ -1,0 +1,31 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_configs.py
+
+from infra.settings import apply_offline_defaults  # noqa: E402
+
+apply_offline_defaults()
+# Two cores: keep torch from oversubscribing when helpers or Ray workers run beside the tests.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"offline benchmark data not found at {SHARED_DATA} (../shared/data beside the repository)")
+    return SHARED_DATA
+
+
+@pytest.fixture
+def kvlingo_home(tmp_path, monkeypatch) -> Path:
+    """An empty platform data directory for tests that write into it."""
+    home = tmp_path / "kvlingo-home"
+    monkeypatch.setenv("KVLINGO_HOME", str(home))
+    return home

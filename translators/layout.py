@@ -1,0 +1,194 @@
+"""What a model's cache looks like: per layer, a set of typed cache objects.
+
+Today every supported family (Llama/SmolLM2, Qwen3, Gemma-3, Mistral) stores one object per layer, an
+attention key/value pair (`AttentionKV`). The hybrid-cache paper adds MLA latents, recurrent states and
+sparse-attention indexer keys; those become further object kinds in `LayerLayout.objects`, so code that
+walks a layout asks for the kind it understands instead of assuming K/V everywhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from translators.errors import UnsupportedModelError
+
+SLIDING = "sliding"
+GLOBAL = "global"
+
+
+@dataclass(frozen=True)
+class AttentionKV:
+    """Keys and values of one attention layer, as the engine caches them.
+
+    Keys and values are stored as [batch, n_kv_heads, seq, head_dim]; captures flatten heads to
+    [n_tokens, n_kv_heads * head_dim].
+    """
+
+    attention: str  # GLOBAL or SLIDING
+    window: int | None  # sliding-window length in tokens (None for global layers)
+    n_kv_heads: int
+    head_dim: int
+    has_k_norm: bool  # per-head RMSNorm on keys before RoPE (Qwen3, Gemma-3)
+    rope: tuple[tuple[str, Any], ...]  # this layer type's rope parameters, sorted (key, value) pairs
+    kind: str = "attention_kv"
+
+    @property
+    def width(self) -> int:
+        """Features per token once heads are flattened: n_kv_heads * head_dim."""
+        return self.n_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    index: int
+    layer_type: str  # the transformers layer type name, e.g. "full_attention", "sliding_attention"
+    objects: tuple[AttentionKV, ...]
+
+    @property
+    def kv(self) -> AttentionKV:
+        """The layer's attention K/V object.
+
+        Raises:
+            UnsupportedModelError: the layer holds no attention K/V (a future hybrid layer).
+        """
+        for obj in self.objects:
+            if obj.kind == "attention_kv":
+                return obj
+        raise UnsupportedModelError(f"layer {self.index} holds no attention K/V cache object")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    family: str  # transformers model_type of the decoder, e.g. "qwen3", "gemma3_text"
+    layers: tuple[LayerLayout, ...]
+    max_positions: int
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def attention_types(self) -> list[str]:
+        """Per layer GLOBAL/SLIDING; translators map only between layers of the same type."""
+        return [layer.kv.attention for layer in self.layers]
+
+    @property
+    def kv_width(self) -> int:
+        """Flattened K/V width, which must be the same in every layer for a translator."""
+        widths = {layer.kv.width for layer in self.layers}
+        if len(widths) != 1:
+            raise UnsupportedModelError(f"{self.family}: K/V widths differ across layers: {sorted(widths)}")
+        return widths.pop()
+
+    def signature(self) -> dict[str, Any]:
+        """A JSON-able summary of the layout, stored in translator manifests."""
+        return {
+            "family": self.family,
+            "n_layers": self.n_layers,
+            "max_positions": self.max_positions,
+            "layers": [
+                {
+                    "type": layer.layer_type,
+                    "attention": layer.kv.attention,
+                    "window": layer.kv.window,
+                    "n_kv_heads": layer.kv.n_kv_heads,
+                    "head_dim": layer.kv.head_dim,
+                    "k_norm": layer.kv.has_k_norm,
+                }
+                for layer in self.layers
+            ],
+        }
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The text decoder (the module holding `.layers` and `.rotary_emb`) of a causal LM."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or not hasattr(decoder, "layers"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no decoder with a `.layers` list (model.get_decoder().layers)"
+        )
+    return decoder
+
+
+def _layer_types(text_config) -> list[str]:
+    """Layer type names as the engine uses them to pick a cache layer class per layer."""
+    types = getattr(text_config, "layer_types", None)
+    if types is not None:
+        return list(types)
+    window = getattr(text_config, "sliding_window", None)
+    return ["sliding_attention" if window else "full_attention"] * text_config.num_hidden_layers
+
+
+def _rope_parameters(text_config, layer_type: str) -> dict[str, Any]:
+    """Rope parameters for one layer type; Gemma-3 keys them by layer type, others share one dict."""
+    params = getattr(text_config, "rope_parameters", None) or {}
+    if layer_type in params and isinstance(params[layer_type], dict):
+        return dict(params[layer_type])
+    return {k: v for k, v in params.items() if not isinstance(v, dict)}
+
+
+def missing_parts(model: nn.Module) -> list[str]:
+    """What capture/injection needs but this model lacks (empty when supported)."""
+    missing = []
+    try:
+        decoder = decoder_of(model)
+    except UnsupportedModelError as err:
+        return [str(err)]
+    if not hasattr(decoder, "rotary_emb"):
+        missing.append("a rotary embedding module (decoder.rotary_emb): only RoPE models are supported")
+    for i, layer in enumerate(decoder.layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            missing.append(f"layer {i}: a `self_attn` attention module")
+            break
+        for part in ("k_proj", "v_proj"):
+            if not isinstance(getattr(attn, part, None), nn.Linear):
+                missing.append(f"layer {i}: separate `self_attn.{part}` projection (fused QKV is not supported)")
+        if missing:
+            break
+    return missing
+
+
+def cache_layout(model: nn.Module) -> CacheLayout:
+    """Read the cache layout of a loaded causal LM.
+
+    Raises:
+        UnsupportedModelError: the architecture lacks something capture/injection needs (named).
+    """
+    missing = missing_parts(model)
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is not supported for cache capture/injection; missing: " + "; ".join(missing)
+        )
+    config = model.config.get_text_config(decoder=True)
+    decoder = decoder_of(model)
+    types = _layer_types(config)
+    layers = []
+    for i, layer in enumerate(decoder.layers):
+        attn = layer.self_attn
+        head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        sliding = types[i] in ("sliding_attention", "chunked_attention")
+        window = (getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)) if sliding else None
+        kv = AttentionKV(
+            attention=SLIDING if sliding else GLOBAL,
+            window=window,
+            n_kv_heads=attn.k_proj.out_features // head_dim,
+            head_dim=head_dim,
+            has_k_norm=getattr(attn, "k_norm", None) is not None,
+            rope=tuple(sorted((k, v) for k, v in _rope_parameters(config, types[i]).items() if _jsonable(v))),
+        )
+        layers.append(LayerLayout(index=i, layer_type=types[i], objects=(kv,)))
+    return CacheLayout(family=config.model_type, layers=tuple(layers), max_positions=config.max_position_embeddings)
+
+
+def _jsonable(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool, type(None)))
+
+
+def rotary_takes_layer_type(decoder: nn.Module) -> bool:
+    """Gemma-3 computes RoPE per layer type (`rotary_emb(x, pos, layer_type)`); others take no type."""
+    return "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters

@@ -1,0 +1,60 @@
+"""The capture → inject → one-step round trip, checked against a native prefill.
+
+This is the primitive every translator rests on: with an identity "translation", decoding from an injected
+cache must reproduce the model's own next-token logits, and gradients must reach every injected layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from translators.capture import capture, check_length
+from translators.errors import ConfigError
+from translators.inject import build_cache, decode_step
+from translators.layout import CacheLayout
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    point: str
+    max_abs_logit_diff: float  # max |native − injected| over the vocabulary at the next-token position
+    grad_ok: bool  # every injected layer's keys and values received a finite, non-zero gradient
+    layers_without_grad: tuple[int, ...]
+
+
+def native_next_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [vocab] the model predicts after reading `input_ids` ([n]) in one prefill."""
+    return model(input_ids=input_ids.view(1, -1).to(model.device), use_cache=False, logits_to_keep=1).logits[0, -1]
+
+
+def roundtrip(model: nn.Module, layout: CacheLayout, input_ids: torch.Tensor, point: str) -> RoundTrip:
+    """Capture x_{1:n-1} at `point`, inject it into a fresh cache, decode x_n, compare with a native prefill.
+
+    Args:
+        input_ids: [n] with n ≥ 2.
+    Raises:
+        ConfigError: fewer than two tokens. PrefixTooLongError: beyond the model's positions.
+    """
+    check_length(layout, int(input_ids.numel()))
+    if input_ids.numel() < 2:
+        raise ConfigError("the round trip needs a prompt of at least two tokens")
+    ids = input_ids.view(-1)
+    with torch.no_grad():
+        native = native_next_logits(model, ids).float()
+        cap = capture(model, layout, ids[:-1], point)
+    keys = [k.detach().clone().requires_grad_(True) for k in cap.keys]
+    values = [v.detach().clone().requires_grad_(True) for v in cap.values]
+    cache = build_cache(model, layout, keys, values, point=point)
+    logits = decode_step(model, cache, ids[-1:], logits_to_keep=1)[-1].float()
+    diff = (logits - native).abs().max().item()
+    # A loss that depends on every logit, so each layer's keys and values get a gradient.
+    torch.log_softmax(logits, -1).mul(torch.softmax(native, -1)).sum().neg().backward()
+    missing = tuple(
+        i
+        for i, (k, v) in enumerate(zip(keys, values))
+        if not all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in (k.grad, v.grad))
+    )
+    return RoundTrip(point=point, max_abs_logit_diff=diff, grad_ok=not missing, layers_without_grad=missing)
