@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -111,6 +112,49 @@ def _doctor_report(model_name: str, points: list[str], prompt: str, tolerance: f
         "points": rows,
         "ok": all(r["ok"] for r in rows.values()),
     }
+
+
+@app.command()
+def fit(
+    source: Annotated[str, typer.Argument(help="source model (its cache is translated)")],
+    target: Annotated[str, typer.Argument(help="target model (decodes from the translated cache)")],
+    stage1_only: Annotated[bool, typer.Option("--stage1-only", help="closed-form fit only, no distillation")] = False,
+    assignment: Annotated[str | None, typer.Option(help="layer assignment: depth | greedy | r2")] = None,
+    nu: Annotated[int | None, typer.Option(help="source layers per target layer (ν)")] = None,
+    point: Annotated[str | None, typer.Option(help="capture point: pre_norm | post_norm | post_rope")] = None,
+    ridge: Annotated[float | None, typer.Option(help="ridge λ relative to the mean diagonal (0: pseudo-inverse)")] = None,
+    head_wise: Annotated[bool | None, typer.Option("--head-wise/--head-mixing", help="block-diagonal maps")] = None,
+    data: Annotated[str | None, typer.Option(help="'embedded[:N]', a local json/jsonl file or a HF dataset id")] = None,
+    n_train: Annotated[int | None, typer.Option(help="training samples")] = None,
+    n_val: Annotated[int | None, typer.Option(help="held-out validation samples")] = None,
+    seed: Annotated[int | None, typer.Option(help="seed for sampling and controls")] = None,
+    output_dir: Annotated[Path | None, typer.Option(help="artifact directory")] = None,
+    config: Annotated[Path | None, typer.Option(help="YAML config; CLI options override it")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """Fit a translator SOURCE → TARGET: stage 1 (closed form) and, without --stage1-only, stage 2."""
+    from flows.fit import run_fit
+    from infra.config import FitConfig, load_config
+
+    overrides = dict(
+        source=source, target=target, stage1_only=stage1_only or None, assignment=assignment, nu=nu, point=point,
+        ridge=ridge, head_wise=head_wise, data=data, n_train=n_train, n_val=n_val, seed=seed, output_dir=output_dir,
+    )
+    try:
+        cfg = load_config(FitConfig, config, overrides)
+        summary = run_fit(cfg)
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+        return
+    table = Table("condition", "validation KL (nats/token)", "± se", "first-token KL", title=f"{summary['source']} → {summary['target']}")
+    for name, value in summary["val_kl"].items():
+        table.add_row(name, f"{value:.4f}", f"{summary['val_kl_se'][name]:.4f}", f"{summary['first_token_kl'][name]:.4f}")
+    console = Console()
+    console.print(table)
+    console.print(f"held-out R²: keys {summary['r2']['keys']:.3f}, values {summary['r2']['values']:.3f}")
+    console.print(f"artifact: {summary['artifact']}")
 
 
 def main() -> None:

@@ -295,3 +295,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
     else:
         payload = json.dumps(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def model_signature(loaded: LoadedModel) -> dict[str, Any]:
+    """What pins a model for translator compatibility: name, weight identity, config, tokenizer, cache layout."""
+    # Keys that vary with where or how the model was loaded, not with what it computes, are left out.
+    volatile = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash", "architectures"}
+    config = {k: v for k, v in loaded.model.config.to_diff_dict().items() if k not in volatile}
+    config_json = json.dumps(config, sort_keys=True, default=str)
+    return {
+        "name": loaded.name,
+        "identity": {k: v for k, v in loaded.identity.items() if k != "tokenizer_sha256"},
+        "config_sha256": hashlib.sha256(config_json.encode()).hexdigest(),
+        "tokenizer_sha256": loaded.identity["tokenizer_sha256"],
+        "layout": loaded.layout.signature(),
+    }

@@ -30,9 +30,9 @@ class Capture:
         return int(self.positions.shape[0])
 
     def check_finite(self, who: str = "capture") -> None:
-        """Raises NonFiniteError naming the first layer whose keys or values hold NaN/Inf."""
-        for side, tensors in (("keys", self.keys), ("values", self.values)):
-            for layer, t in enumerate(tensors):
+        """Raises NonFiniteError naming the shallowest layer whose keys or values hold NaN/Inf (where it started)."""
+        for layer in range(len(self.keys)):
+            for side, t in (("keys", self.keys[layer]), ("values", self.values[layer])):
                 if not torch.isfinite(t).all():
                     raise NonFiniteError(f"{who}: NaN/Inf in layer {layer} {side} (capture point {self.point})")
 

@@ -1,0 +1,63 @@
+"""Validated configuration objects, one per flow: defaults → YAML file → CLI overrides.
+
+Validation happens at the entry point, before any model loads, and reports every problem at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from translators.errors import ConfigError
+
+
+class FitConfig(BaseModel):
+    """Fit a translator SOURCE → TARGET (stage 1, then stage 2 unless stage1_only)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str
+    target: str
+    data: str = Field("embedded", description="'embedded[:N]', a local json/jsonl file, or a HF dataset id")
+    n_train: int = Field(160, ge=1, description="training samples (one per conversation)")
+    n_val: int = Field(24, ge=1, description="held-out validation samples (conversations disjoint from training)")
+    seed: int = 0
+    max_prefix_tokens: int = Field(512, ge=2)
+    max_continuation_tokens: int = Field(64, ge=1)
+    point: Literal["pre_norm", "post_norm", "post_rope"] = "pre_norm"
+    assignment: str = "r2"
+    nu: int = Field(1, ge=1, description="source layers read per target layer")
+    ridge: float = Field(0.0, ge=0.0, description="0: eigen pseudo-inverse; >0: ridge λ relative to the mean diagonal")
+    head_wise: bool = False
+    stage1_only: bool = False
+    output_dir: Path | None = Field(None, description="where the artifact goes; default under KVLINGO_HOME/runs")
+
+
+def load_config(model: type[BaseModel], yaml_path: Path | None, overrides: dict[str, Any]) -> BaseModel:
+    """Build a config from defaults, an optional YAML file, then CLI overrides (None = not given).
+
+    Raises:
+        ConfigError: listing every invalid or unknown field at once.
+    """
+    values: dict[str, Any] = {}
+    if yaml_path is not None:
+        if not Path(yaml_path).is_file():
+            raise ConfigError(f"config file {yaml_path} does not exist")
+        loaded = yaml.safe_load(Path(yaml_path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{yaml_path} must hold a mapping of config keys, got {type(loaded).__name__}")
+        values.update(loaded)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in err.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
+
+
+def dump_config(config: BaseModel, path: Path) -> None:
+    """Save the resolved config as YAML beside a run's outputs."""
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))

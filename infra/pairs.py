@@ -1,0 +1,33 @@
+"""Checks on a (source, target) pair before anything is fitted."""
+
+from __future__ import annotations
+
+from infra.zoo import LoadedModel
+from translators.errors import PairMismatchError
+
+
+def check_same_tokenizer(source: LoadedModel, target: LoadedModel) -> None:
+    """Same-tokenizer pairs share token ids position for position; refuse others, naming the difference.
+
+    Raises:
+        PairMismatchError: vocabularies (or their ids) differ.
+    """
+    if source.identity["tokenizer_sha256"] == target.identity["tokenizer_sha256"]:
+        return
+    src_vocab, tgt_vocab = source.tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    if src_vocab == tgt_vocab:
+        return  # same ids; only normalisation metadata differs
+    only_src = sorted(set(src_vocab) - set(tgt_vocab))[:3]
+    only_tgt = sorted(set(tgt_vocab) - set(src_vocab))[:3]
+    moved = sorted(t for t in set(src_vocab) & set(tgt_vocab) if src_vocab[t] != tgt_vocab[t])[:3]
+    details = [f"vocabulary sizes {len(src_vocab)} vs {len(tgt_vocab)}"]
+    if only_src:
+        details.append(f"only in {source.name}: {only_src}")
+    if only_tgt:
+        details.append(f"only in {target.name}: {only_tgt}")
+    if moved:
+        details.append(f"tokens with different ids: {moved}")
+    raise PairMismatchError(
+        f"{source.name} and {target.name} use different tokenizers ({'; '.join(details)}). Only same-tokenizer "
+        "pairs are supported so far (cross-tokenizer alignment is planned); pick a pair from one model family."
+    )

@@ -1,0 +1,140 @@
+"""Translator artifacts: `weights.safetensors` + `manifest.json` (never pickle).
+
+The manifest carries a compatibility signature of the model pair (names, weight identities, config and
+tokenizer hashes, cache layouts), the capture point, the assignment, the dimensions and the sha256 of the
+weights. Loading verifies the weights' hash and, when the caller passes the loaded pair's signatures,
+refuses a translator fitted for another pair, naming the first field that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from translators.errors import KvlingoError, PairMismatchError
+from translators.translator import SIDES, Translator
+
+FORMAT = "kvlingo.translator.v1"
+WEIGHTS = "weights.safetensors"
+MANIFEST = "manifest.json"
+
+
+class ArtifactError(KvlingoError):
+    """An artifact directory is missing files, tampered with, or of an unknown format."""
+
+
+def save_translator(
+    translator: Translator, directory: str | Path, *, source: dict[str, Any], target: dict[str, Any], fit: dict[str, Any]
+) -> Path:
+    """Write the translator and its manifest into `directory` (created). Returns the directory.
+
+    Args:
+        source, target: model signatures (`infra.zoo.model_signature`).
+        fit: how it was fitted (stage, assignment method, ν, ridge, metrics...), JSON-able.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: p.detach().cpu().contiguous() for name, p in translator.maps.items()}
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": FORMAT})
+    manifest = {
+        "format": FORMAT,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "point": translator.point,
+        "d_src": translator.d_src,
+        "d_tgt": translator.d_tgt,
+        "assignment": {side: {str(t): list(s) for t, s in translator.assignment[side].items()} for side in SIDES},
+        "pair": {"source": source, "target": target},
+        "fit": fit,
+        "weights_sha256": _sha256(directory / WEIGHTS),
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return directory
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The manifest of an artifact directory.
+
+    Raises:
+        ArtifactError: missing or unreadable manifest, or an unknown format.
+    """
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{directory} is not a translator artifact: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ArtifactError(f"{path} is not valid JSON: {err}") from err
+    if manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: unknown artifact format {manifest.get('format')!r} (expected {FORMAT})")
+    return manifest
+
+
+def load_translator(
+    directory: str | Path, *, source: dict[str, Any] | None = None, target: dict[str, Any] | None = None
+) -> tuple[Translator, dict[str, Any]]:
+    """Load and verify a translator artifact.
+
+    Args:
+        source, target: signatures of the models it will be used with; each given one must match.
+    Raises:
+        ArtifactError: missing files or weights whose sha256 differs from the manifest (tampered/corrupt).
+        PairMismatchError: the artifact was fitted for another source or target (the field is named).
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    weights = directory / WEIGHTS
+    if not weights.is_file():
+        raise ArtifactError(f"{directory}: {WEIGHTS} is missing")
+    digest = _sha256(weights)
+    if digest != manifest["weights_sha256"]:
+        raise ArtifactError(
+            f"{weights} has sha256 {digest[:16]}… but the manifest records {manifest['weights_sha256'][:16]}…: "
+            "the file was modified or corrupted; re-download or re-fit the translator"
+        )
+    for role, given in (("source", source), ("target", target)):
+        if given is not None:
+            check_signature(manifest["pair"][role], given, role)
+    assignment = {side: {int(t): tuple(s) for t, s in manifest["assignment"][side].items()} for side in SIDES}
+    translator = Translator(assignment, manifest["d_src"], manifest["d_tgt"], manifest["point"])
+    tensors = load_file(str(weights))
+    if set(tensors) != set(translator.maps):
+        raise ArtifactError(f"{weights}: tensors {sorted(tensors)} do not match the manifest's assignment")
+    for name, value in tensors.items():
+        translator.maps[name].data.copy_(value)
+    return translator, manifest
+
+
+def check_signature(recorded: dict[str, Any], given: dict[str, Any], role: str) -> None:
+    """Raises PairMismatchError naming the first differing field of two model signatures."""
+    difference = _first_difference(recorded, given, role)
+    if difference:
+        raise PairMismatchError(
+            f"this translator was fitted for another {role} model: {difference}. Fit a translator for this pair "
+            f"(`kvlingo fit`) or load the model it was made for ({recorded.get('name')!r})."
+        )
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if key not in a or key not in b:
+                return f"{path}.{key} is {'missing from the artifact' if key not in a else 'missing from the model'}"
+            found = _first_difference(a[key], b[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    return None if a == b else f"{path} is {_short(a)} in the artifact but {_short(b)} for the loaded model"
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "…"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,177 @@
+"""Stage 1: paired capture → streaming Gram statistics → layer assignment → closed-form maps → diagnostics.
+
+Everything here takes models, layouts and token tensors; nothing loads, tracks or orchestrates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from translators.assignment import check_assignment_name, greedy, r2_assignment, relative_depth, same_type_candidates
+from translators.capture import capture
+from translators.continuation import kl_per_position, no_prefix_logits, student_logits, teacher_logits
+from translators.errors import ConfigError
+from translators.gram import GramStats
+from translators.layout import CacheLayout
+from translators.solve import fit_map, relative_residual
+from translators.translator import SIDES, Translator
+
+
+@dataclass(frozen=True)
+class Side:
+    """One model of the pair as stage 1 needs it."""
+
+    model: nn.Module
+    layout: CacheLayout
+
+
+def candidate_layers(source: CacheLayout, target: CacheLayout, method: str, nu: int) -> dict[int, tuple[int, ...]]:
+    """Source layers whose statistics are accumulated per target layer.
+
+    Relative depth needs only its band; greedy and R² choose among every source layer of the same attention
+    type, from the same statistics (no second pass over the data).
+
+    Raises:
+        ConfigError: unknown method (with suggestion), ν < 1 or larger than the source depth.
+    """
+    check_assignment_name(method)
+    if method == "depth":
+        return relative_depth(source.n_layers, target.n_layers, nu, source.attention_types, target.attention_types)
+    if nu > source.n_layers:
+        raise ConfigError(f"ν = {nu} is larger than the source depth ({source.n_layers} layers)")
+    return same_type_candidates(source.attention_types, target.attention_types)
+
+
+def empty_stats(source: CacheLayout, target: CacheLayout, candidates: dict[int, tuple[int, ...]]) -> dict[str, GramStats]:
+    return {side: GramStats.empty(side, candidates, source.kv_width, target.kv_width) for side in SIDES}
+
+
+def accumulate_pair(
+    stats: dict[str, GramStats],
+    source: Side,
+    target: Side,
+    prefixes: Iterable[torch.Tensor],
+    point: str,
+    *,
+    on_sample: Callable[[int], None] | None = None,
+) -> dict[str, GramStats]:
+    """Add the paired captures of each prefix ([n] token ids, same tokenizer) to `stats` (in place).
+
+    Raises:
+        NonFiniteError: a capture holds NaN/Inf (the message names model and layer).
+    """
+    with torch.no_grad():
+        for prefix in prefixes:
+            src = capture(source.model, source.layout, prefix, point)
+            tgt = capture(target.model, target.layout, prefix, point)
+            src.check_finite("source")
+            tgt.check_finite("target")
+            stats["keys"].accumulate(src.keys, tgt.keys)
+            stats["values"].accumulate(src.values, tgt.values)
+            if on_sample:
+                on_sample(prefix.numel())
+    return stats
+
+
+def assign_layers(stats: dict[str, GramStats], source: CacheLayout, target: CacheLayout, method: str, nu: int) -> dict:
+    """The assignment {side: {target layer: source layers}}; keys and values ranked separately (greedy, R²)."""
+    if method == "depth":
+        band = relative_depth(source.n_layers, target.n_layers, nu, source.attention_types, target.attention_types)
+        return {side: band for side in SIDES}
+    choose = greedy if method == "greedy" else r2_assignment
+    return {side: choose(stats[side], nu) for side in SIDES}
+
+
+def solve_translator(
+    stats: dict[str, GramStats],
+    assignment: dict,
+    source: CacheLayout,
+    target: CacheLayout,
+    point: str,
+    *,
+    ridge: float = 0.0,
+    head_wise: bool = False,
+) -> Translator:
+    """Closed-form maps (eigen pseudo-inverse, or ridge when `ridge` > 0) for every target layer and side."""
+    translator = Translator(assignment, source.kv_width, target.kv_width, point)
+    heads = {"n_heads_src": source.layers[0].kv.n_kv_heads, "n_heads_tgt": target.layers[0].kv.n_kv_heads}
+    for side in SIDES:
+        for t, sources in assignment[side].items():
+            weight = fit_map(stats[side], t, sources, ridge=ridge, head_wise=head_wise, **heads)
+            translator.set_weight(side, t, weight)
+    return translator
+
+
+def heldout_r2(stats: dict[str, GramStats], translator: Translator) -> dict[str, list[float]]:
+    """R² = 1 − ‖Y − X T‖²/‖Y‖² per target layer and side, on statistics of held-out samples."""
+    return {
+        side: [
+            1.0 - relative_residual(stats[side], t, sources, translator.weight(side, t).detach())
+            for t, sources in sorted(translator.assignment[side].items())
+        ]
+        for side in SIDES
+    }
+
+
+def random_like(translator: Translator, seed: int = 0) -> Translator:
+    """Control `random_map`: Gaussian maps of the same shapes and Frobenius norms as `translator`'s."""
+    generator = torch.Generator().manual_seed(seed)
+    control = Translator(translator.assignment, translator.d_src, translator.d_tgt, translator.point)
+    for name, weight in translator.maps.items():
+        noise = torch.randn(weight.shape, generator=generator)
+        control.maps[name].data.copy_(noise * (weight.detach().norm() / noise.norm()))
+    return control
+
+
+@dataclass
+class ValidationKL:
+    """Mean KL(target native ‖ condition) per continuation token, averaged over samples (nats)."""
+
+    mean: float
+    se: float  # standard error over samples
+    first_token: float  # KL at the first continuation token only, mean over samples
+    n: int
+
+
+def validation_kl(
+    source: Side,
+    target: Side,
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    translator: Translator | None,
+    *,
+    condition: str = "translated",
+) -> ValidationKL:
+    """KL of the target's continuation predictions against its own prefill, over (prefix, continuation) pairs.
+
+    condition: "translated" (the translator applied to the source's cache of x_{1:n-1}) or "empty_prefix"
+    (the target with no prefix cache at all).
+
+    Raises:
+        ConfigError: empty validation set, unknown condition, or a zero-length continuation.
+    """
+    if not samples:
+        raise ConfigError("empty validation set: hold out at least one conversation (raise the sample count)")
+    if condition not in ("translated", "empty_prefix"):
+        raise ConfigError(f"unknown condition {condition!r}")
+    means, firsts = [], []
+    with torch.no_grad():
+        for prefix, continuation in samples:
+            teacher = teacher_logits(target.model, prefix, continuation)
+            if condition == "empty_prefix":
+                student = no_prefix_logits(target.model, prefix, continuation)
+            else:
+                cap = capture(source.model, source.layout, prefix[:-1], translator.point)
+                keys, values = translator(cap.keys, cap.values)
+                student = student_logits(target.model, target.layout, keys, values, translator.point, prefix, continuation)
+            kl = kl_per_position(teacher, student)
+            means.append(kl.mean().item())
+            firsts.append(kl[0].item())
+    n = len(means)
+    mean = sum(means) / n
+    var = sum((x - mean) ** 2 for x in means) / (n - 1) if n > 1 else 0.0
+    return ValidationKL(mean=mean, se=math.sqrt(var / n), first_token=sum(firsts) / n, n=n)
