@@ -157,6 +157,35 @@ def fit(
     console.print(f"artifact: {summary['artifact']}")
 
 
+@app.command()
+def demo(as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False) -> None:
+    """The main job on the embedded pair: builds the tiny models if needed, checks them, fits both directions."""
+    from flows.demo import run_demo
+
+    try:
+        result = run_demo()
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    console = Console()
+    for name, report in result["doctor"].items():
+        worst = max(r["max_abs_logit_diff"] for r in report["points"].values())
+        console.print(f"doctor {name}: {'ok' if report['ok'] else 'FAILED'} (max |Δlogit| {worst:.1e} over 3 capture points)")
+    table = Table("source → target", "closed form", "empty prefix", "random map", "R² keys", "R² values",
+                  title="stage 1: validation KL (nats/token, lower is better)")
+    for fit in result["fits"]:
+        kl = fit["val_kl"]
+        table.add_row(f"{fit['source']} → {fit['target']}", f"{kl['closed_form']:.3f}", f"{kl['empty_prefix']:.3f}",
+                      f"{kl['random_map']:.3f}", f"{fit['r2']['keys']:.3f}", f"{fit['r2']['values']:.3f}")
+    console.print(table)
+    for fit in result["fits"]:
+        console.print(f"artifact: {fit['artifact']}")
+    if not all(r["ok"] for r in result["doctor"].values()):
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -85,6 +85,9 @@ def run_fit(config: FitConfig) -> dict[str, Any]:
         seed=config.seed,
         max_prefix_tokens=config.max_prefix_tokens,
         max_continuation_tokens=config.max_continuation_tokens,
+        # Plain-text windows (models without a chat template) use the same caps.
+        prefix_tokens=min(256, config.max_prefix_tokens),
+        continuation_tokens=config.max_continuation_tokens,
     )
     for loaded in (source, target):
         check_prefix_lengths(samples, loaded.layout.max_positions, loaded.name)

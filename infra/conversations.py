@@ -137,6 +137,24 @@ def load_conversations(source: str, *, limit: int | None = None, seed: int = 0,
     return corpus
 
 
+def check_source(source: str) -> None:
+    """Cheap pre-flight check of a source's form (no reading): embedded, an existing file, or a hub id.
+
+    Raises:
+        ConfigError: the same messages `load_conversations` gives for a malformed or missing source.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ConfigError(f"conversation source must be a non-empty string, got {source!r}")
+    source = source.strip()
+    if source == "embedded" or source.startswith("embedded:"):
+        return
+    path = Path(source).expanduser()
+    if path.is_file() or (_HUB_ID.match(source) and not source.endswith(_FILE_SUFFIXES)):
+        return
+    raise ConfigError(f"conversation source {source!r} is not 'embedded[:N]', not an existing file "
+                      f"(looked for {str(path.resolve())!r}) and not a hub id 'org/name[:split]'")
+
+
 def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
     """Reject non-integers and values < 1 (``None`` too unless ``allow_none``)."""
     if value is None and allow_none:
@@ -413,7 +431,7 @@ def _from_hub(source: str, limit: int | None, text_chunk_chars: int) -> Corpus:
     if _offline() and not any(p.is_dir() for p in _cached_locations(repo)):
         looked = ", ".join(str(p) for p in _cached_locations(repo))
         raise ConfigError(f"hub dataset {repo!r} is not in the local cache and HF_DATASETS_OFFLINE=1 "
-                          f"(looked in {looked}); {how}")
+                          f"(looked in {looked}; no local file {source!r} exists either); {how}")
     try:
         import datasets
     except ImportError:

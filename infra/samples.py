@@ -7,7 +7,7 @@ turn's answer with its end-of-turn marker; for models without a chat template it
 of plain text.
 
 Sampling is deterministic: each conversation/document draws from its own RNG seeded by
-``(seed, index)``, so a sample does not change when other items are added or removed.
+``(seed, index)``, so a sample does not depend on the other items (appending items changes none).
 """
 
 from __future__ import annotations

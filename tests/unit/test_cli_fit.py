@@ -1,0 +1,104 @@
+"""`kvlingo fit --stage1-only` on tiny local models: the JSON contract, the YAML config path, clear errors."""
+
+import json
+
+import pytest
+import yaml
+from tiny_configs import save_tiny_model_dir, tiny_model, words
+from typer.testing import CliRunner
+
+from flows.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fit")
+    qwen = save_tiny_model_dir("qwen3", root / "qwen3")
+    llama = save_tiny_model_dir("llama", root / "llama")
+    data = root / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"text": words(120, seed=i)}) for i in range(30)))
+    config = root / "fit.yaml"
+    config.write_text(yaml.safe_dump({"data": str(data), "max_prefix_tokens": 40, "max_continuation_tokens": 8,
+                                      "n_train": 20, "n_val": 6}))
+    return {"qwen": str(qwen), "llama": str(llama), "data": str(data), "config": str(config), "root": root}
+
+
+def fit(setup, *args):
+    return runner.invoke(app, ["fit", *args, "--stage1-only", "--config", setup["config"], "--json"])
+
+
+def test_self_fit_json_contract_and_artifact(setup, kvlingo_home):
+    out = setup["root"] / "self"
+    result = fit(setup, setup["qwen"], setup["qwen"], "--assignment", "greedy", "--output-dir", str(out))
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["source"] == setup["qwen"] and summary["target"] == setup["qwen"]
+    kl = summary["val_kl"]
+    assert set(kl) >= {"closed_form", "empty_prefix", "random_map"}
+    # Translating a model into itself is exact: the closed form must reach the native prefill.
+    assert kl["closed_form"] < 1e-5 < kl["empty_prefix"] and kl["closed_form"] < kl["random_map"]
+    assert summary["r2"]["keys"] > 0.999 and summary["r2"]["values"] > 0.999
+    assert (out / "closed_form" / "manifest.json").is_file()
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["assignment"] == "greedy" and saved["max_prefix_tokens"] == 40  # YAML + CLI override resolved
+
+
+def test_cross_family_pair_fits(setup, kvlingo_home):
+    result = fit(setup, setup["qwen"], setup["llama"], "--nu", "2", "--assignment", "r2")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert all(len(v) == 2 for v in summary["assignment"]["keys"].values())
+    assert summary["val_kl"]["closed_form"] < summary["val_kl"]["random_map"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{qwen}", "{qwen}", "--assignment", "gredy"], "did you mean 'greedy'"),
+        (["{qwen}", "nosuchmodel"], "target: unknown model 'nosuchmodel'"),
+        (["{qwen}", "{qwen}", "--nu", "7"], "ν = 7 is larger than the source depth (3 layers)"),
+        (["{qwen}", "{qwen}", "--data", "/nonexistent/file.jsonl"], "looked for"),
+        (["{qwen}", "{qwen}", "--point", "pre"], "point"),
+        (["{qwen}", "{qwen}", "--nu", "0"], "nu: Input should be greater than or equal to 1"),
+    ],
+)
+def test_bad_input_exits_2(setup, kvlingo_home, args, message):
+    args = [a.format(**setup) for a in args]
+    result = fit(setup, *args)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.stderr.split())
+
+
+def test_several_problems_reported_at_once(setup, kvlingo_home):
+    result = fit(setup, "nosuchsource", "nosuchtarget", "--assignment", "best")
+    assert result.exit_code == 2
+    err = " ".join(result.stderr.split())
+    assert "source: unknown model" in err and "target: unknown model" in err and "assignment:" in err
+
+
+def test_different_tokenizers_are_refused_naming_the_difference(setup, kvlingo_home, tmp_path):
+    other = tmp_path / "other"
+    tiny_model("qwen3").save_pretrained(other)
+    from tiny_configs import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    result = fit(setup, setup["qwen"], str(other))
+    assert result.exit_code == 2
+    assert "use different tokenizers" in result.stderr and "<extra>" in result.stderr
+
+
+def test_empty_dataset_and_too_long_prefix(setup, kvlingo_home, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = fit(setup, setup["qwen"], setup["qwen"], "--data", str(empty))
+    assert result.exit_code == 2 and "empty dataset" in result.stderr
+    long_cfg = tmp_path / "long.yaml"
+    long_docs = tmp_path / "long.jsonl"
+    long_docs.write_text("\n".join(json.dumps({"text": words(300, seed=i)}) for i in range(8)))
+    long_cfg.write_text(yaml.safe_dump({"data": str(long_docs), "max_prefix_tokens": 120, "max_continuation_tokens": 30}))
+    result = runner.invoke(app, ["fit", setup["qwen"], setup["qwen"], "--stage1-only", "--config", str(long_cfg)])
+    assert result.exit_code == 2 and "more than the 128 positions" in " ".join(result.stderr.split())
