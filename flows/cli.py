@@ -128,6 +128,10 @@ def fit(
     n_train: Annotated[int | None, typer.Option(help="training samples")] = None,
     n_val: Annotated[int | None, typer.Option(help="held-out validation samples")] = None,
     seed: Annotated[int | None, typer.Option(help="seed for sampling and controls")] = None,
+    steps: Annotated[int | None, typer.Option(help="stage-2 optimizer steps")] = None,
+    lr: Annotated[float | None, typer.Option(help="stage-2 learning rate")] = None,
+    workers: Annotated[int | None, typer.Option(help="stage-2 Ray Train workers (1: single process)")] = None,
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (default: a local Ray)")] = None,
     output_dir: Annotated[Path | None, typer.Option(help="artifact directory")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config; CLI options override it")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
@@ -139,6 +143,7 @@ def fit(
     overrides = dict(
         source=source, target=target, stage1_only=stage1_only or None, assignment=assignment, nu=nu, point=point,
         ridge=ridge, head_wise=head_wise, data=data, n_train=n_train, n_val=n_val, seed=seed, output_dir=output_dir,
+        steps=steps, lr=lr, workers=workers, ray_address=ray_address,
     )
     try:
         cfg = load_config(FitConfig, config, overrides)
@@ -184,6 +189,67 @@ def demo(as_json: Annotated[bool, typer.Option("--json", help="print one JSON ob
         console.print(f"artifact: {fit['artifact']}")
     if not all(r["ok"] for r in result["doctor"].values()):
         raise typer.Exit(1)
+
+
+bench_app = typer.Typer(
+    help="Benchmarks of the switch runtime (speed; more to come).", no_args_is_help=True, add_completion=False
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("speed")
+def bench_speed(
+    source: Annotated[str, typer.Argument(help="source model (holds the cache that gets translated)")],
+    target: Annotated[str, typer.Argument(help="target model (decodes after the switch)")],
+    lengths: Annotated[str, typer.Option(help="comma-separated prefix lengths n")] = "256,1024,2048,4096",
+    translator: Annotated[
+        Path | None, typer.Option(help="translator artifact; default: identity (same model) or a quick closed form")
+    ] = None,
+    repeats: Annotated[int, typer.Option(help="timed runs per length; medians are reported")] = 3,
+    decode_tokens: Annotated[int, typer.Option(help="tokens decoded after each path for the decoding speed")] = 16,
+    point: Annotated[str, typer.Option(help="capture point without an artifact: pre_norm | post_norm | post_rope")] = "pre_norm",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """Time to first token after a switch (translate + one target step) vs the target's re-prefill.
+
+    The source's capture is not timed (it already holds its cache). Also reports peak memory, decoding speed
+    after each path and the FLOP-model ratio.
+    """
+    from flows.bench import parse_lengths, run_speed
+    from infra.config import SpeedBenchConfig, load_config
+
+    try:
+        overrides = dict(source=source, target=target, lengths=parse_lengths(lengths), translator=translator,
+                         repeats=repeats, decode_tokens=decode_tokens, point=point)
+        cfg = load_config(SpeedBenchConfig, None, overrides)
+        result = run_speed(cfg)
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    _print_speed(result)
+
+
+def _print_speed(result: dict) -> None:
+    table = Table("n", "switch (s)", "translate (s)", "step (s)", "re-prefill (s)", "speed-up", "FLOP ratio",
+                  "peak MB switch / prefill", "decode tok/s switch / native",
+                  title=f"switch {result['source']} → {result['target']} ({result['translator']}, "
+                        f"{result['device']}, {result['dtype']}, {result['threads']} threads)")
+    for r in result["rows"]:
+        table.add_row(
+            str(r["n"]), f"{r['switch_s']:.3f}", f"{r['translate_s']:.3f}", f"{r['step_s']:.3f}", f"{r['prefill_s']:.3f}",
+            f"{r['ratio']:.1f}×", f"{r['flop_ratio']:.1f}×",
+            f"{_num(r['switch_peak_mb'])} / {_num(r['prefill_peak_mb'])}",
+            f"{_num(r['switch_decode_tok_s'])} / {_num(r['native_decode_tok_s'])}",
+        )
+    console = Console()
+    console.print(table)
+    console.print(f"memory: {result['memory']}")
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ Validation happens at the entry point, before any model loads, and reports every
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -33,6 +33,16 @@ class FitConfig(BaseModel):
     ridge: float = Field(0.0, ge=0.0, description="0: eigen pseudo-inverse; >0: ridge λ relative to the mean diagonal")
     head_wise: bool = False
     stage1_only: bool = False
+    # Stage 2 (self-distillation); the learning rate is the one tuned knob (see `kvlingo sweep`).
+    steps: int = Field(60, ge=1, description="stage-2 optimizer steps")
+    lr: float = Field(3e-3, gt=0, description="stage-2 peak learning rate (AdamW, cosine, 5% warmup)")
+    batch: int = Field(8, ge=1, description="effective batch: conversations per step (accumulated)")
+    workers: int = Field(1, ge=1, description="1: single process; >1: Ray Train workers")
+    eval_every: int = Field(20, ge=1)
+    checkpoint_every: int = Field(20, ge=1)
+    objective: Literal["kl", "ce", "mixed"] = "kl"
+    ce_weight: float = Field(0.0, ge=0.0, description="λ of KL + λ·CE (objective mixed)")
+    ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
     output_dir: Path | None = Field(None, description="where the artifact goes; default under KVLINGO_HOME/runs")
 
 
@@ -61,3 +71,18 @@ def load_config(model: type[BaseModel], yaml_path: Path | None, overrides: dict[
 def dump_config(config: BaseModel, path: Path) -> None:
     """Save the resolved config as YAML beside a run's outputs."""
     path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+class SpeedBenchConfig(BaseModel):
+    """`kvlingo bench speed`: time to first token after a switch vs the target's re-prefill, per prefix length."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str
+    target: str
+    lengths: list[Annotated[int, Field(ge=2)]] = Field([256, 1024, 2048, 4096], min_length=1, description="prefix lengths n")
+    translator: Path | None = Field(None, description="translator artifact; default identity (same model) or an on-the-fly closed form")
+    repeats: int = Field(3, ge=1, description="timed runs per length (medians reported)")
+    decode_tokens: int = Field(16, ge=1, description="tokens decoded after each path to measure decoding speed")
+    point: Literal["pre_norm", "post_norm", "post_rope"] = "pre_norm"
+    seed: int = Field(0, ge=0)

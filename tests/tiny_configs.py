@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
 
@@ -69,3 +71,15 @@ def words(n: int, seed: int = 0) -> str:
     """A prompt of n tokens for the tiny tokenizer."""
     g = torch.Generator().manual_seed(seed)
     return " ".join(f"w{int(i)}" for i in torch.randint(0, _COMMON["vocab_size"] - 2, (n,), generator=g))
+
+
+def noisy_identity(layout, scale=0.3, seed=0):
+    """Self-translation maps: identity plus noise, which distillation must pull back toward the identity."""
+    from translators.translator import Translator
+
+    n, d = layout.n_layers, layout.kv_width
+    tr = Translator({s: {t: (t,) for t in range(n)} for s in ("keys", "values")}, d, d, "pre_norm")
+    g = torch.Generator().manual_seed(seed)
+    for p in tr.maps.values():
+        p.data.copy_(torch.eye(d) + scale * torch.randn(d, d, generator=g) / math.sqrt(d))
+    return tr

@@ -102,3 +102,27 @@ def test_empty_dataset_and_too_long_prefix(setup, kvlingo_home, tmp_path):
     long_cfg.write_text(yaml.safe_dump({"data": str(long_docs), "max_prefix_tokens": 120, "max_continuation_tokens": 30}))
     result = runner.invoke(app, ["fit", setup["qwen"], setup["qwen"], "--stage1-only", "--config", str(long_cfg)])
     assert result.exit_code == 2 and "more than the 128 positions" in " ".join(result.stderr.split())
+
+
+def test_fit_with_stage2_adds_distilled_kl_and_steps(setup, kvlingo_home):
+    out = setup["root"] / "stage2"
+    result = runner.invoke(app, ["fit", setup["qwen"], setup["llama"], "--config", setup["config"], "--steps", "4",
+                                 "--lr", "1e-3", "--output-dir", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 4 and isinstance(summary["val_kl"]["distilled"], float)
+    assert {"closed_form", "empty_prefix", "random_map"} <= set(summary["val_kl"])  # stage-1 keys kept
+    assert (out / "distilled" / "manifest.json").is_file() and (out / "checkpoints" / "step_000004").is_dir()
+    # Re-running the same fit resumes from the final checkpoint instead of training again.
+    again = runner.invoke(app, ["fit", setup["qwen"], setup["llama"], "--config", setup["config"], "--steps", "4",
+                                "--lr", "1e-3", "--output-dir", str(out), "--json"])
+    assert json.loads(again.stdout)["val_kl"]["distilled"] == pytest.approx(summary["val_kl"]["distilled"], abs=1e-9)
+    # A different learning rate into the same directory would mix two runs: refused.
+    clash = runner.invoke(app, ["fit", setup["qwen"], setup["llama"], "--config", setup["config"], "--steps", "4",
+                                "--lr", "2e-3", "--output-dir", str(out), "--json"])
+    assert clash.exit_code == 2 and "belongs to another run" in " ".join(clash.stderr.split())
+
+
+def test_non_positive_learning_rate_is_refused_before_loading(setup, kvlingo_home):
+    result = runner.invoke(app, ["fit", setup["qwen"], setup["qwen"], "--lr", "0", "--config", setup["config"]])
+    assert result.exit_code == 2 and "lr: Input should be greater than 0" in result.stderr

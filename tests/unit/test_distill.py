@@ -1,11 +1,9 @@
 """Stage 2 on tiny random-init models: the chunked loss against an unchunked reference, training invariants,
 checkpoint/resume, and clear errors."""
 
-import math
-
 import pytest
 import torch
-from tiny_configs import FAMILIES, tiny_model
+from tiny_configs import FAMILIES, noisy_identity, tiny_model
 
 from translators.capture import capture
 from translators.continuation import kl_per_position, student_logits, teacher_logits
@@ -20,16 +18,6 @@ from translators.translator import Translator
 def make_sample(seed, n=14, m=7):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 97, (n,), generator=g), torch.randint(0, 97, (m,), generator=g)
-
-
-def noisy_identity(layout, scale=0.3, seed=0):
-    """Identity maps (self-translation) plus noise: distillation must pull them back toward the identity."""
-    n, d = layout.n_layers, layout.kv_width
-    tr = Translator({s: {t: (t,) for t in range(n)} for s in ("keys", "values")}, d, d, "pre_norm")
-    g = torch.Generator().manual_seed(seed)
-    for p in tr.maps.values():
-        p.data.copy_(torch.eye(d) + scale * torch.randn(d, d, generator=g) / math.sqrt(d))
-    return tr
 
 
 @pytest.fixture(scope="module")
