@@ -3,9 +3,13 @@ diagnostics → artifact. Composition only; the numerics live in translators/.""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
+import shutil
 import time
-from dataclasses import asdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,28 +58,49 @@ def _progress() -> Progress:
     )
 
 
-def run_fit(config: FitConfig) -> dict[str, Any]:
-    """Stage 1 (stage 2 arrives with the distillation issue). Returns the public JSON summary."""
+@dataclass
+class FitPlan:
+    """Everything a fit needs once models are loaded and samples are built (shared by the CLI and Prefect)."""
+
+    config: FitConfig
+    source: Any  # infra.zoo.LoadedModel
+    target: Any
+    train: list
+    val: list
+    candidates: dict[int, tuple[int, ...]]
+    out: Path
+    signatures: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def sides(self):
+        from translators.stage1 import Side
+
+        return Side(self.source.model, self.source.layout), Side(self.target.model, self.target.layout)
+
+    @property
+    def val_pairs(self) -> list:
+        return [(s.prefix_ids, s.continuation_ids) for s in self.val]
+
+
+def plan_fit(config: FitConfig, loader=None) -> FitPlan:
+    """Validate, load the pair (through `loader`, default infra.zoo.load_model), build and split samples.
+
+    Raises:
+        ConfigError (all problems at once), PairMismatchError (tokenizers), PrefixTooLongError, ModelUnavailableError.
+    """
     from infra.conversations import load_conversations
     from infra.pairs import check_same_tokenizer
     from infra.samples import build_samples, check_prefix_lengths, split_by_conversation
     from infra.zoo import load_model, model_signature
-    from translators.artifact import save_translator
-    from translators.stage1 import (
-        Side,
-        assign_layers,
-        candidate_layers,
-        heldout_r2,
-        random_like,
-        solve_translator,
-        validation_kl,
-    )
+    from translators.stage1 import candidate_layers
 
     preflight(config)
-    started = time.perf_counter()
+    loader = loader or load_model
     torch.manual_seed(config.seed)
-    source, target = load_model(config.source), load_model(config.target)
+    source, target = loader(config.source), loader(config.target)
     check_same_tokenizer(source, target)
+    candidates = candidate_layers(source.layout, target.layout, config.assignment, config.nu)
     corpus = load_conversations(config.data, limit=config.n_train + config.n_val, seed=config.seed)
     samples = build_samples(
         corpus,
@@ -90,28 +115,71 @@ def run_fit(config: FitConfig) -> dict[str, Any]:
     for loaded in (source, target):
         check_prefix_lengths(samples, loaded.layout.max_positions, loaded.name)
     train, val = split_by_conversation(samples, val_fraction=config.n_val / (config.n_train + config.n_val), seed=config.seed)
-    src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
-    candidates = candidate_layers(source.layout, target.layout, config.assignment, config.nu)
+    out = Path(config.output_dir or kvlingo_home() / "runs" / f"{source.name}--{target.name}".replace("/", "_"))
+    out.mkdir(parents=True, exist_ok=True)
+    dump_config(config, out / "config.yaml")
+    signatures = {"source": model_signature(source), "target": model_signature(target)}
+    return FitPlan(config, source, target, train, val, candidates, out, signatures)
 
-    with _progress() as progress:
-        stats = _accumulate(progress, "stage 1: train statistics", src, tgt, train, candidates, config)
-        val_stats = _accumulate(progress, "stage 1: held-out statistics", src, tgt, val, candidates, config)
-    assignment = assign_layers(stats, source.layout, target.layout, config.assignment, config.nu)
+
+def stats_key(plan: FitPlan, samples: list) -> str:
+    """Content address of the statistics of `samples` for this pair, point and candidate set."""
+    h = hashlib.sha256()
+    h.update(json.dumps([plan.signatures, plan.config.point, sorted(plan.candidates.items())], sort_keys=True, default=str).encode())
+    for sample in samples:
+        h.update(sample.prefix_ids.numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:24]
+
+
+def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = "stage 1: statistics") -> dict:
+    """Gram statistics of `samples`, read from the content-addressed store when already accumulated."""
+    from translators.gram import GramStats
+    from translators.stage1 import accumulate_pair, empty_stats
+
+    store = kvlingo_home() / "stats" / stats_key(plan, samples)
+    if all((store / f"{side}.safetensors").is_file() for side in SIDES):
+        return {side: GramStats.load(store / f"{side}.safetensors") for side in SIDES}
+    src, tgt = plan.sides
+    stats = empty_stats(plan.source.layout, plan.target.layout, plan.candidates)
+    task = progress.add_task(description, total=len(samples)) if progress else None
+    accumulate_pair(stats, src, tgt, (s.prefix_ids for s in samples), plan.config.point,
+                    on_sample=(lambda _n: progress.advance(task)) if progress else None)
+    tmp = store.with_name(store.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for side in SIDES:
+        stats[side].save(tmp / f"{side}.safetensors")
+    shutil.rmtree(store, ignore_errors=True)
+    os.replace(tmp, store)
+    return stats
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """Partial statistics of disjoint shards sum exactly to the one-pass statistics."""
+    return {side: functools.reduce(lambda a, b: a.merge(b), [p[side] for p in parts]) for side in SIDES}
+
+
+def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any, dict[str, Any]]:
+    """Assignment, closed-form maps, held-out R², validation KL beside the two controls; saves the artifact."""
+    from translators.artifact import save_translator
+    from translators.stage1 import assign_layers, heldout_r2, random_like, solve_translator, validation_kl
+
+    config = plan.config
+    src, tgt = plan.sides
+    assignment = assign_layers(stats, plan.source.layout, plan.target.layout, config.assignment, config.nu)
     translator = solve_translator(
-        stats, assignment, source.layout, target.layout, config.point, ridge=config.ridge, head_wise=config.head_wise
+        stats, assignment, plan.source.layout, plan.target.layout, config.point, ridge=config.ridge, head_wise=config.head_wise
     )
     r2 = heldout_r2(val_stats, translator)
-    pairs = [(s.prefix_ids, s.continuation_ids) for s in val]
+    pairs = plan.val_pairs
     kl = {
         "closed_form": validation_kl(src, tgt, pairs, translator),
         "empty_prefix": validation_kl(src, tgt, pairs, None, condition="empty_prefix"),
         "random_map": validation_kl(src, tgt, pairs, random_like(translator, seed=config.seed)),
     }
-    out = Path(config.output_dir or kvlingo_home() / "runs" / f"{source.name}--{target.name}".replace("/", "_"))
-    out.mkdir(parents=True, exist_ok=True)
     summary = {
-        "source": source.name,
-        "target": target.name,
+        "source": plan.source.name,
+        "target": plan.target.name,
         "stage": "closed_form",
         "val_kl": {name: v.mean for name, v in kl.items()},
         "val_kl_se": {name: v.se for name, v in kl.items()},
@@ -119,35 +187,57 @@ def run_fit(config: FitConfig) -> dict[str, Any]:
         "r2": {side: sum(r2[side]) / len(r2[side]) for side in SIDES},
         "r2_per_layer": r2,
         "assignment": {side: {str(t): list(s) for t, s in assignment[side].items()} for side in SIDES},
-        "n_train": len(train),
-        "n_val": len(val),
+        "n_train": len(plan.train),
+        "n_val": len(plan.val),
         "train_tokens": stats["keys"].n_tokens,
-        "artifact": str(out / "closed_form"),
-        "wall_s": round(time.perf_counter() - started, 2),
+        "artifact": str(plan.out / "closed_form"),
+        "artifacts": {"closed_form": str(plan.out / "closed_form")},
+        "run_dir": str(plan.out),
     }
-    signatures = {"source": model_signature(source), "target": model_signature(target)}
     save_translator(
         translator,
-        out / "closed_form",
-        **signatures,
+        plan.out / "closed_form",
+        **plan.signatures,
         fit={"stage": "closed_form", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "r2": summary["r2"]},
     )
-    dump_config(config, out / "config.yaml")
+    return translator, summary
+
+
+def distill(plan: FitPlan, closed_form, summary: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Stage 2 from the closed-form maps; adds val_kl.distilled, steps and the history to the summary."""
+    from translators.artifact import save_translator
+    from translators.stage1 import validation_kl
+
+    config = plan.config
+    src, tgt = plan.sides
+    distilled, history = _stage2(config, closed_form, src, tgt, plan.train, plan.val_pairs, plan.signatures, plan.out)
+    final = validation_kl(src, tgt, plan.val_pairs, distilled)
+    summary = {**summary}
+    summary["val_kl"] = {**summary["val_kl"], "distilled": final.mean}
+    summary["val_kl_se"] = {**summary["val_kl_se"], "distilled": final.se}
+    summary["first_token_kl"] = {**summary["first_token_kl"], "distilled": final.first_token}
+    summary.update(stage="distilled", steps=config.steps, lr=config.lr, history=history, artifact=str(plan.out / "distilled"))
+    summary["artifacts"] = {**summary["artifacts"], "distilled": str(plan.out / "distilled")}
+    save_translator(
+        distilled,
+        plan.out / "distilled",
+        **plan.signatures,
+        fit={"stage": "distilled", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "steps": config.steps, "lr": config.lr},
+    )
+    return distilled, summary
+
+
+def run_fit(config: FitConfig) -> dict[str, Any]:
+    """The whole fit in this process: stage 1, then stage 2 unless `stage1_only`. Returns the JSON summary."""
+    plan = plan_fit(config)
+    with _progress() as progress:
+        stats = shard_stats(plan, plan.train, progress, "stage 1: train statistics")
+        val_stats = shard_stats(plan, plan.val, progress, "stage 1: held-out statistics")
+    translator, summary = solve_closed_form(plan, stats, val_stats)
     if not config.stage1_only:
-        distilled, history = _stage2(config, translator, src, tgt, train, pairs, signatures, out)
-        final = validation_kl(src, tgt, pairs, distilled)
-        summary["val_kl"]["distilled"] = final.mean
-        summary["val_kl_se"]["distilled"] = final.se
-        summary["first_token_kl"]["distilled"] = final.first_token
-        summary.update(stage="distilled", steps=config.steps, history=history, artifact=str(out / "distilled"))
-        save_translator(
-            distilled,
-            out / "distilled",
-            **signatures,
-            fit={"stage": "distilled", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "steps": config.steps},
-        )
-        summary["wall_s"] = round(time.perf_counter() - started, 2)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        translator, summary = distill(plan, translator, summary)
+    summary["wall_s"] = round(time.perf_counter() - plan.started, 2)
+    (plan.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
@@ -180,13 +270,3 @@ def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, signatur
                               report=lambda record: progress.update(task, completed=record["step"]))
     return run_ray(translator, config.source, config.target, train_pairs, val_pairs, settings, run_signature,
                    checkpoints, workers=config.workers, ray_address=config.ray_address)
-
-
-def _accumulate(progress, description, src, tgt, samples, candidates, config):
-    from translators.stage1 import accumulate_pair, empty_stats
-
-    task = progress.add_task(description, total=len(samples))
-    stats = empty_stats(src.layout, tgt.layout, candidates)
-    return accumulate_pair(
-        stats, src, tgt, (s.prefix_ids for s in samples), config.point, on_sample=lambda _n: progress.advance(task)
-    )

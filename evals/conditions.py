@@ -1,0 +1,251 @@
+"""The paired conditions every evaluation scores the same items under.
+
+- `target_native`: the target prefills the whole context itself (the upper anchor).
+- `source_native`: the source model answers from its own cache (the model we switch away from).
+- `translated`: the target decodes from the translator's translation of the source's cache of context[:-1],
+  then reads context[-1] itself — exactly the geometry of `translators.continuation.student_logits`, so the
+  quantity benchmarked is the quantity stage 2 trains.
+
+Source and target of a translated condition share one tokenizer (cross-tokenizer pairs are aligned elsewhere);
+every function here takes token ids, never text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from translators.capture import capture, check_length
+from translators.continuation import student_logits
+from translators.errors import ConfigError
+from translators.inject import build_cache, decode_step
+from translators.stage1 import Side
+from translators.translator import Translator
+
+TARGET_NATIVE = "target_native"
+SOURCE_NATIVE = "source_native"
+TRANSLATED = "translated"
+CONDITIONS = (TARGET_NATIVE, SOURCE_NATIVE, TRANSLATED)
+NATIVE = (TARGET_NATIVE, SOURCE_NATIVE)
+# The identity "translator" hands the source's keys through unchanged; any point is exact because build_cache
+# re-applies the (identical) model's own k-norm and RoPE from it. pre_norm is the platform default.
+IDENTITY_POINT = "pre_norm"
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One way of answering: which model decodes, and (translated only) from whose translated cache.
+
+    Args:
+        name: one of CONDITIONS.
+        decoder: the model that produces the logits (the target, or the source for `source_native`).
+        source: the model whose cache is translated (`translated` only).
+        translator: maps source captures to decoder keys/values; None with `translated` means identity
+            (source and decoder must then have equal cache layouts, i.e. be the same model).
+    Raises:
+        ConfigError: unknown name, a native condition given a source or translator, a translated condition
+            without a source, or a translator/identity that does not fit the two layouts.
+    """
+
+    name: str
+    decoder: Side
+    source: Side | None = None
+    translator: Translator | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in CONDITIONS:
+            raise ConfigError(f"unknown condition {self.name!r}; choose one of {', '.join(CONDITIONS)}")
+        if self.name in NATIVE:
+            if self.source is not None or self.translator is not None:
+                raise ConfigError(
+                    f"condition {self.name!r} answers from the decoder's own cache: pass no source and no translator"
+                )
+            return
+        if self.source is None:
+            raise ConfigError(
+                "condition 'translated' needs the source side whose cache is translated (source=Side(...))"
+            )
+        if self.translator is None:
+            _check_identity(self.source, self.decoder)
+        else:
+            _check_translator(self.translator, self.source, self.decoder)
+
+    @property
+    def point(self) -> str:
+        """Capture point of the translated cache (translated only)."""
+        return self.translator.point if self.translator is not None else IDENTITY_POINT
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence (context + generated/scored tokens) every model involved can read."""
+        limits = [self.decoder.layout.max_positions]
+        if self.source is not None:
+            limits.append(self.source.layout.max_positions)
+        return min(limits)
+
+
+def target_native(target: Side) -> Condition:
+    """The target prefills the context itself."""
+    return Condition(TARGET_NATIVE, decoder=target)
+
+
+def source_native(source: Side) -> Condition:
+    """The source answers from its own cache."""
+    return Condition(SOURCE_NATIVE, decoder=source)
+
+
+def translated(source: Side, target: Side, translator: Translator | None = None) -> Condition:
+    """The target decodes from the translated source cache (translator None: identity, same model only)."""
+    return Condition(TRANSLATED, decoder=target, source=source, translator=translator)
+
+
+def _check_identity(source: Side, decoder: Side) -> None:
+    """Raises ConfigError unless the identity map is meaningful (source and decoder have equal layouts)."""
+    if source.layout != decoder.layout:
+        raise ConfigError(
+            "condition 'translated' without a translator uses the source cache unchanged, which is only valid when "
+            f"source and target are the same model; their cache layouts differ ({source.layout.family}, "
+            f"{source.layout.n_layers} layers vs {decoder.layout.family}, {decoder.layout.n_layers} layers): "
+            "pass the fitted Translator"
+        )
+
+
+def _check_translator(translator: Translator, source: Side, decoder: Side) -> None:
+    """Raises ConfigError when the translator's widths or depth do not match the pair."""
+    src, dec = source.layout, decoder.layout
+    problems = []
+    if translator.d_src != src.kv_width:
+        problems.append(f"its source width is {translator.d_src} but the source's K/V width is {src.kv_width}")
+    if translator.d_tgt != dec.kv_width:
+        problems.append(f"its target width is {translator.d_tgt} but the target's K/V width is {dec.kv_width}")
+    if translator.n_target_layers != dec.n_layers:
+        problems.append(f"it maps {translator.n_target_layers} target layers but the target has {dec.n_layers}")
+    deepest = max(translator.source_layers(), default=-1)
+    if deepest >= src.n_layers:
+        problems.append(f"it reads source layer {deepest} but the source has {src.n_layers}")
+    if problems:
+        raise ConfigError("the translator does not fit this source/target pair: " + "; ".join(problems))
+
+
+def _as_ids(ids: torch.Tensor | list[int], what: str) -> torch.Tensor:
+    """Token ids as a 1-D int64 tensor [n]. Raises ConfigError for other shapes."""
+    t = torch.as_tensor(ids, dtype=torch.long)
+    if t.dim() != 1:
+        raise ConfigError(f"{what} must be a 1-D list of token ids, got shape {list(t.shape)}")
+    return t
+
+
+def _translated_kv(condition: Condition, cached_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Decoder keys/values for `cached_ids` [n-1], captured on the source and translated: per layer [n-1, d_tgt]."""
+    src = capture(condition.source.model, condition.source.layout, cached_ids, condition.point)
+    if condition.translator is None:
+        return src.keys, src.values
+    return condition.translator(src.keys, src.values)
+
+
+def continuation_logits(
+    condition: Condition, context_ids: torch.Tensor | list[int], continuation_ids: torch.Tensor | list[int]
+) -> torch.Tensor:
+    """The decoder's logits for each continuation token under `condition`: [m, vocab].
+
+    Native: one forward over context + continuation[:-1], keeping the last m logits. Translated: the
+    `student_logits` geometry (translated cache of context[:-1], then context[-1] + continuation[:-1]). A
+    one-token context leaves nothing to translate (the cache would be empty), so it is read natively.
+
+    Args:
+        context_ids: [n] token ids, n ≥ 1. continuation_ids: [m] token ids, m ≥ 1.
+    Raises:
+        ConfigError: empty context/continuation or non-1-D ids. PrefixTooLongError: longer than a model reads.
+    """
+    context = _as_ids(context_ids, "context_ids")
+    continuation = _as_ids(continuation_ids, "continuation_ids")
+    if context.numel() < 1 or continuation.numel() < 1:
+        raise ConfigError(
+            "scoring needs a non-empty context and continuation, "
+            f"got {context.numel()} and {continuation.numel()} tokens"
+        )
+    m = continuation.numel()
+    check_length(condition.decoder.layout, context.numel() + m - 1, "context + continuation")
+    with torch.no_grad():
+        if condition.name in NATIVE or context.numel() == 1:
+            ids = torch.cat([context, continuation[:-1]]).view(1, -1).to(condition.decoder.model.device)
+            return condition.decoder.model(input_ids=ids, use_cache=False, logits_to_keep=m).logits[0]
+        keys, values = _translated_kv(condition, context[:-1])
+        decoder = condition.decoder
+        return student_logits(decoder.model, decoder.layout, keys, values, condition.point, context, continuation)
+
+
+def continuation_logprobs(
+    condition: Condition, context_ids: torch.Tensor | list[int], continuation_ids: torch.Tensor | list[int]
+) -> torch.Tensor:
+    """log p(continuation_i | context, continuation_<i) under `condition`, in fp32: [m].
+
+    Raises:
+        ConfigError, PrefixTooLongError: as `continuation_logits`.
+    """
+    logits = continuation_logits(condition, context_ids, continuation_ids)  # [m, vocab]
+    targets = _as_ids(continuation_ids, "continuation_ids").to(logits.device)
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.view(-1, 1)).squeeze(-1).cpu()
+
+
+def greedy_generate(
+    condition: Condition,
+    context_ids: torch.Tensor | list[int],
+    max_new_tokens: int,
+    stop_ids: set[int] | frozenset[int] = frozenset(),
+    *,
+    should_stop: Callable[[list[int]], bool] | None = None,
+) -> list[int]:
+    """Greedy decoding after `context_ids` [n] under `condition`.
+
+    Native: prefill the context, then decode. Translated: translate the source cache of context[:-1], run
+    one decoder step on context[-1], then decode on top of the injected cache.
+
+    Args:
+        max_new_tokens: the most tokens returned (≥ 0).
+        stop_ids: tokens that end generation (e.g. EOS); the stop token itself is not returned.
+        should_stop: called with the tokens generated so far after each new token; True ends generation
+            (used for stop strings, which need the decoded text).
+    Returns:
+        The generated token ids (at most max_new_tokens, without the stop token).
+    Raises:
+        ConfigError: empty context or negative max_new_tokens. PrefixTooLongError: context + generation longer
+            than the models read.
+    """
+    context = _as_ids(context_ids, "context_ids")
+    if context.numel() < 1:
+        raise ConfigError("generation needs a non-empty context (at least one token)")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be ≥ 0, got {max_new_tokens}")
+    if max_new_tokens == 0:
+        return []
+    # The last generated token is never fed back, hence -1.
+    check_length(condition.decoder.layout, context.numel() + max_new_tokens - 1, "context + generation")
+    model = condition.decoder.model
+    with torch.no_grad():
+        cache, logits = _first_step(condition, context)  # logits: [vocab]
+        generated: list[int] = []
+        while True:
+            token = int(logits.argmax())
+            if token in stop_ids:
+                break
+            generated.append(token)
+            if len(generated) >= max_new_tokens or (should_stop is not None and should_stop(generated)):
+                break
+            logits = decode_step(model, cache, torch.tensor([token]), logits_to_keep=1)[-1]
+    return generated
+
+
+def _first_step(condition: Condition, context: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
+    """The decoder's cache after reading the whole context and its next-token logits [vocab]."""
+    model = condition.decoder.model
+    if condition.name in NATIVE or context.numel() == 1:
+        # A one-token context has no cache to translate: the decoder reads it natively.
+        cache = DynamicCache(config=model.config)
+        return cache, decode_step(model, cache, context, logits_to_keep=1)[-1]
+    keys, values = _translated_kv(condition, context[:-1])
+    cache = build_cache(model, condition.decoder.layout, keys, values, point=condition.point)
+    return cache, decode_step(model, cache, context[-1:], logits_to_keep=1)[-1]

@@ -1,0 +1,275 @@
+"""Timing harness for the switch (paper §4.8, App. Y): time to first token after a switch vs re-prefill,
+peak memory of both paths, decoding speed after each, and the FLOP model beside the measured ratio.
+
+Both paths run through the runtime's own pieces (`translated_cache`, `decode_step`, `decode_from`) in the same
+process with the same torch threads. The source's capture of x_{1:n-1} is taken once, untimed: in deployment
+the source already holds its cache.
+
+Memory: on CUDA, the peak of `torch.cuda.max_memory_allocated` above the allocation before the path; on CPU
+(Linux), the peak resident set size (VmHWM, reset through /proc/self/clear_refs) above the RSS before the
+path, which also counts allocator caching; elsewhere it is not measured (None).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from translators.capture import capture
+from translators.errors import ConfigError
+from translators.generation import GenerationSettings, decode_from, sync
+from translators.inject import decode_step
+from translators.layout import GLOBAL, CacheLayout
+from translators.stage1 import Side
+from translators.switch import translated_cache
+from translators.translator import Translator
+
+MEMORY_NOTE = {
+    "cuda": "peak torch.cuda.max_memory_allocated above the allocation before the path (MB)",
+    "cpu": "peak RSS (VmHWM reset via /proc/self/clear_refs) above the RSS before the path (MB); includes "
+    "allocator caching",
+    None: "not measured on this platform",
+}
+
+
+# --- FLOP model -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """What the FLOP model needs from the target.
+
+    Formulas (multiply-add = 2 FLOPs, batch 1):
+    - prefill(n) = 2·P·n + 4·d_q·Σ_layers Σ_{i=1..n} ctx_l(i) + 2·d·V, where P = non-embedding parameters,
+      d_q = query width (heads·head_dim, = d_model for most models), ctx_l(i) = i for global layers and
+      min(i, window) for sliding ones (so a global model's attention term is ≈ 4·n²·d_q·n_layers/2), and one
+      row of output logits (logits_to_keep=1).
+    - step(n) = 2·P + 4·d_q·Σ_layers ctx_l(n) + 2·d·V: one decoding step over a cache of n-1 tokens.
+    - map(n) = translator.flops_per_token()·(n-1) = Σ_layers 4·ν·d_src·d_tgt per token (K and V maps).
+    flop_ratio = prefill(n) / (map(n) + step(n)).
+    """
+
+    non_embedding_params: int
+    query_width: int
+    hidden: int
+    vocab: int
+    windows: tuple[int | None, ...]  # per layer: None for global attention
+
+    def attention(self, n: int, causal_sum: bool) -> int:
+        """4·d_q times the attended context: summed over the n queries of a prefill, or for the last one."""
+        total = 0
+        for window in self.windows:
+            total += _causal_context(n, window) if causal_sum else min(n, window or n)
+        return 4 * self.query_width * total
+
+    def prefill(self, n: int) -> int:
+        return 2 * self.non_embedding_params * n + self.attention(n, causal_sum=True) + 2 * self.hidden * self.vocab
+
+    def step(self, n: int) -> int:
+        return 2 * self.non_embedding_params + self.attention(n, causal_sum=False) + 2 * self.hidden * self.vocab
+
+
+def _causal_context(n: int, window: int | None) -> int:
+    """Σ_{i=1..n} min(i, window): keys attended over a causal prefill."""
+    if window is None or n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
+def flop_model(model: nn.Module, layout: CacheLayout) -> FlopModel:
+    """Read the FLOP model's quantities from a loaded causal LM."""
+    config = model.config.get_text_config(decoder=True)
+    embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None for p in m.parameters()}
+    non_embedding = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    windows = tuple(layer.kv.window if layer.kv.attention != GLOBAL else None for layer in layout.layers)
+    return FlopModel(non_embedding, config.num_attention_heads * head_dim, config.hidden_size, config.vocab_size, windows)
+
+
+# --- Memory ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Peak:
+    mb: float | None = None
+
+
+def memory_kind(device: torch.device) -> str | None:
+    if device.type == "cuda":
+        return "cuda"
+    return "cpu" if _can_reset_rss_peak() else None
+
+
+@contextmanager
+def peak_memory(device: torch.device) -> Iterator[Peak]:
+    """Measure the peak memory of the enclosed block above its start (see the module docstring)."""
+    peak = Peak()
+    kind = memory_kind(device)
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    elif kind == "cpu":
+        before = _rss_kb("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    yield peak
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+        peak.mb = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    elif kind == "cpu":
+        peak.mb = max(0, _rss_kb("VmHWM") - before) / 1024
+
+
+def _rss_kb(field: str) -> int:
+    found = re.search(rf"{field}:\s+(\d+)\s+kB", Path("/proc/self/status").read_text())
+    return int(found.group(1)) if found else 0
+
+
+def _can_reset_rss_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _rss_kb("VmHWM") > 0
+    except OSError:
+        return False
+
+
+# --- Measurement ----------------------------------------------------------------------------------
+
+
+@dataclass
+class SpeedRow:
+    """One prefix length; times in seconds (medians over repeats), memory in MB, FLOPs absolute."""
+
+    n: int
+    switch_s: float  # translate + one target decoding step on x_n + picking the first token
+    prefill_s: float  # the target's prefill of x_{1:n} + picking the first token
+    ratio: float  # prefill_s / switch_s
+    flop_ratio: float
+    translate_s: float  # maps + writing the target cache (k-norm, RoPE), median
+    step_s: float  # the target's step on x_n (+ first pick): switch time minus translation, median over runs
+    switch_peak_mb: float | None
+    prefill_peak_mb: float | None
+    switch_decode_tok_s: float | None
+    native_decode_tok_s: float | None
+    map_flops: int
+    step_flops: int
+    prefill_flops: int
+    first_token_match: bool  # the switched and re-prefilled paths chose the same first token (greedy)
+    repeats: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_speed(
+    source: Side,
+    target: Side,
+    translator: Translator | None,
+    prompt_ids: torch.Tensor,
+    *,
+    point: str,
+    repeats: int = 3,
+    decode_tokens: int = 16,
+) -> SpeedRow:
+    """Time both paths to the first token for prompt x_{1:n}, then decode `decode_tokens` more after each.
+
+    Args:
+        prompt_ids: [n] token ids, n ≥ 2.
+    Raises:
+        ConfigError: n < 2, repeats < 1 or decode_tokens < 1.
+    """
+    n = int(prompt_ids.numel())
+    if n < 2 or repeats < 1 or decode_tokens < 1:
+        raise ConfigError(f"need n ≥ 2, repeats ≥ 1, decode_tokens ≥ 1 (got n={n}, repeats={repeats}, decode_tokens={decode_tokens})")
+    with torch.no_grad():
+        held = capture(source.model, source.layout, prompt_ids[:-1], point)  # the source's cache: untimed
+    switch_runs, prefill_runs = [], []
+    for r in range(repeats):
+        last = r == repeats - 1  # decode after the last repeat only: it does not change the first token's time
+        switch_runs.append(_switch_path(target, translator, held, prompt_ids, point, decode_tokens if last else 0))
+        prefill_runs.append(_prefill_path(target, prompt_ids, decode_tokens if last else 0))
+    return _row(n, switch_runs, prefill_runs, translator, flop_model(target.model, target.layout), repeats)
+
+
+@dataclass
+class _Run:
+    ttft_s: float
+    translate_s: float
+    first_token: int
+    peak_mb: float | None
+    decode_tok_s: float | None
+
+
+def _switch_path(target: Side, translator, held, prompt_ids, point, decode_tokens: int) -> _Run:
+    device = target.model.device
+    with torch.no_grad(), peak_memory(device) as peak:
+        sync(device)
+        t0 = time.perf_counter()
+        cache = translated_cache(target, translator, held, point)
+        sync(device)
+        translate_s = time.perf_counter() - t0
+        logits = decode_step(target.model, cache, prompt_ids[-1:], logits_to_keep=1)[-1]
+        first = int(torch.argmax(logits))  # reading the token synchronises the device
+        ttft = time.perf_counter() - t0
+    return _Run(ttft, translate_s, first, peak.mb, _decode_speed(target, cache, logits, decode_tokens))
+
+
+def _prefill_path(target: Side, prompt_ids, decode_tokens: int) -> _Run:
+    device = target.model.device
+    with torch.no_grad(), peak_memory(device) as peak:
+        sync(device)
+        t0 = time.perf_counter()
+        cache = DynamicCache(config=target.model.config)
+        logits = decode_step(target.model, cache, prompt_ids, logits_to_keep=1)[-1]
+        first = int(torch.argmax(logits))
+        ttft = time.perf_counter() - t0
+    return _Run(ttft, 0.0, first, peak.mb, _decode_speed(target, cache, logits, decode_tokens))
+
+
+def _decode_speed(target: Side, cache, logits, decode_tokens: int) -> float | None:
+    """Greedy tokens per second over `decode_tokens` steps after the first token (None when 0)."""
+    if decode_tokens == 0:
+        return None
+    with torch.no_grad():
+        decoded = decode_from(target.model, cache, logits, GenerationSettings(max_new_tokens=decode_tokens + 1))
+    return len(decoded.step_s) / decoded.decode_s if decoded.decode_s > 0 else None
+
+
+def _row(n, switch_runs, prefill_runs, translator, flops: FlopModel, repeats) -> SpeedRow:
+    switch_s = statistics.median(r.ttft_s for r in switch_runs)
+    prefill_s = statistics.median(r.ttft_s for r in prefill_runs)
+    translate_s = statistics.median(r.translate_s for r in switch_runs)
+    map_flops = (translator.flops_per_token() if translator is not None else 0) * (n - 1)
+    step_flops, prefill_flops = flops.step(n), flops.prefill(n)
+    return SpeedRow(
+        n=n,
+        switch_s=switch_s,
+        prefill_s=prefill_s,
+        ratio=prefill_s / switch_s,
+        flop_ratio=prefill_flops / (map_flops + step_flops),
+        translate_s=translate_s,
+        step_s=statistics.median(r.ttft_s - r.translate_s for r in switch_runs),
+        switch_peak_mb=_max_or_none(r.peak_mb for r in switch_runs),
+        prefill_peak_mb=_max_or_none(r.peak_mb for r in prefill_runs),
+        switch_decode_tok_s=switch_runs[-1].decode_tok_s,
+        native_decode_tok_s=prefill_runs[-1].decode_tok_s,
+        map_flops=map_flops,
+        step_flops=step_flops,
+        prefill_flops=prefill_flops,
+        first_token_match=all(s.first_token == p.first_token for s, p in zip(switch_runs, prefill_runs)),
+        repeats=repeats,
+    )
+
+
+def _max_or_none(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
