@@ -252,6 +252,96 @@ def _num(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}"
 
 
+@app.command(name="eval")
+def eval_command(
+    source: Annotated[str, typer.Argument(help="source model")],
+    target: Annotated[str, typer.Argument(help="target model")],
+    suite: Annotated[str, typer.Option(help="quick | full")] = "quick",
+    translator: Annotated[list[str] | None, typer.Option("--translator", help="PATH, models:/NAME@ALIAS, or identity (repeatable)")] = None,
+    benchmark: Annotated[list[str] | None, typer.Option("--benchmark", help="run only these benchmarks (repeatable)")] = None,
+    limit: Annotated[int | None, typer.Option(help="items per benchmark")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="folder with the local benchmark files")] = None,
+    fit_dir: Annotated[Path | None, typer.Option(help="fit directory holding closed_form/ and distilled/")] = None,
+    ruler_lengths: Annotated[str | None, typer.Option(help="comma-separated RULER context lengths in tokens")] = None,
+    judge_url: Annotated[str | None, typer.Option(help="OpenAI-compatible judge endpoint")] = None,
+    judge_model: Annotated[str | None, typer.Option(help="judge model (endpoint model name or zoo model)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """Score the pair under target-native, source-native and translated caches on the same items."""
+    from flows.evaluate import EvalConfig, run_eval
+    from infra.config import load_config
+
+    try:
+        lengths = [int(x) for x in ruler_lengths.split(",")] if ruler_lengths else None
+    except ValueError:
+        _fail(KvlingoError(f"--ruler-lengths must be comma-separated integers, got {ruler_lengths!r}"))
+    overrides = dict(source=source, target=target, suite=suite, translators=translator, benchmarks=benchmark,
+                     limit=limit, data_dir=data_dir, fit_dir=fit_dir, ruler_lengths=lengths, judge_url=judge_url,
+                     judge_model=judge_model)
+    try:
+        result = run_eval(load_config(EvalConfig, None, overrides),
+                          on_benchmark=lambda name: err_console.print(f"[dim]benchmark: {name}[/]"))
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    table = Table("benchmark", "condition", "score", "± se", "n", "Δ vs target native [95% CI]",
+                  title=f"{result['source']} → {result['target']}")
+    for row in result["rows"]:
+        ci = f"{row['extra'].get('delta', float('nan')):+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]" if row.get("ci_low") is not None else ""
+        table.add_row(row["benchmark"], row["condition"], f"{row['score']:.3f}", f"{row['se']:.3f}", str(row["n"]), ci)
+    Console().print(table)
+    for error in result["errors"]:
+        err_console.print(f"[yellow]{error['benchmark']} not scored:[/] {error['error']}")
+
+
+@app.command()
+def report(
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+    parquet: Annotated[Path | None, typer.Option("--parquet", help="also write every table as DIR/<table>.parquet")] = None,
+) -> None:
+    """Summarise logged fits: runs, best translator per direction, lr sweep, benchmark deltas (DuckDB).
+
+    Refreshes $KVLINGO_HOME/kvlingo.duckdb from the MLflow store first.
+    """
+    from registry.report import export_parquet, print_report, refresh_duckdb, report_rows
+
+    try:
+        db = refresh_duckdb()
+        rows = report_rows(db)
+        files = export_parquet(db, parquet) if parquet else []
+    except KvlingoError as err:
+        _fail(err)
+    err_console.print(f"[dim]DuckDB summary: {db}" + (f"; parquet: {parquet}" if files else "") + "[/]")
+    if as_json:
+        sys.stdout.write(json.dumps({"runs": rows}) + "\n")
+        return
+    print_report(db, Console())
+
+
+@app.command()
+def ui(
+    port: Annotated[int, typer.Option(min=1, max=65535, help="port to listen on")] = 5000,
+    host: Annotated[str, typer.Option(help="interface to bind (127.0.0.1 keeps the UI on this machine)")] = "127.0.0.1",
+) -> None:
+    """Serve the MLflow UI over the platform's tracking store until Ctrl-C (stops the server cleanly)."""
+    from registry.tracking import tracking_uri
+    from registry.ui import LOOPBACK, serve_forever
+
+    if host != LOOPBACK:
+        err_console.print(f"[yellow]warning:[/] binding {host}: the MLflow UI has no authentication")
+
+    def ready(server) -> None:
+        Console().print(f"MLflow UI at {server.url} (store {tracking_uri()}); Ctrl-C to stop", soft_wrap=True)
+
+    try:
+        code = serve_forever(port, host, ready)
+    except KvlingoError as err:
+        _fail(err)
+    raise typer.Exit(code)
+
+
 def main() -> None:
     app()
 

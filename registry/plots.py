@@ -1,0 +1,86 @@
+"""Run plots written as PNG files: the stage-2 KL curve and the layer-assignment matrix.
+
+matplotlib is imported inside the functions with the Agg backend, so importing this module opens no display
+and costs nothing for commands that never plot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SIDES = ("keys", "values")
+
+
+def _pyplot():
+    import matplotlib
+
+    # Agg renders to files only: works headless and never tries to open a window.
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def kl_curve(history: list[dict[str, Any]], path: Path, *, title: str) -> Path | None:
+    """Train KL per step and validation KL on the eval steps, on one axis. Returns the PNG path, or None
+    when the history holds no step with a KL value (a closed-form-only fit)."""
+    train = [(r["step"], r["train_kl"]) for r in history if r.get("train_kl") is not None]
+    val = [(r["step"], r["val_kl"]) for r in history if r.get("val_kl") is not None]
+    if not train and not val:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    try:
+        if train:
+            ax.plot(*zip(*train), label="train KL", linewidth=1.2)
+        if val:
+            ax.plot(*zip(*val), "o-", label="validation KL", linewidth=1.5)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("KL (nats/token)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def assignment_matrix(assignment: dict[str, dict[str, list[int]]]) -> dict[str, list[list[float]]]:
+    """Per side, a [n_target_layers][n_source_layers] matrix: 1 where the target layer reads the source layer.
+
+    The source depth is not in a fit summary, so columns run up to the deepest source layer read.
+    """
+    n_target = max((int(t) + 1 for side in SIDES for t in assignment.get(side, {})), default=0)
+    n_source = max((s + 1 for side in SIDES for src in assignment.get(side, {}).values() for s in src), default=0)
+    matrices = {}
+    for side in SIDES:
+        rows = [[0.0] * n_source for _ in range(n_target)]
+        for t, sources in assignment.get(side, {}).items():
+            for s in sources:
+                rows[int(t)][s] = 1.0
+        matrices[side] = rows
+    return matrices
+
+
+def assignment_heatmap(assignment: dict[str, dict[str, list[int]]], path: Path, *, title: str) -> Path | None:
+    """Keys and values assignment matrices side by side (target layer × source layer). None if empty."""
+    matrices = assignment_matrix(assignment)
+    if not matrices["keys"] or not matrices["keys"][0]:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9.0, 4.2), sharey=True)
+    try:
+        for ax, side in zip(axes, SIDES):
+            ax.imshow(matrices[side], cmap="Blues", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+            ax.set_title(side)
+            ax.set_xlabel("source layer")
+        axes[0].set_ylabel("target layer")
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path
