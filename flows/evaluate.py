@@ -178,7 +178,7 @@ def bench_val_kl(config, conditions, source, target) -> dict[str, dict[str, np.n
 
     corpus = load_conversations("embedded", limit=config.limit, seed=10_000 + config.seed)
     samples = build_samples(corpus, target.tokenizer, seed=config.seed, max_prefix_tokens=512, max_continuation_tokens=48,
-                            prefix_tokens=128, continuation_tokens=32)
+                            prefix_tokens=48, continuation_tokens=16)
     scores: dict[str, list[float]] = {name: [] for name in conditions}
     with torch.no_grad():
         for s in samples:
