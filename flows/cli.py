@@ -163,32 +163,43 @@ def fit(
 
 
 @app.command()
-def demo(as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False) -> None:
-    """The main job on the embedded pair: builds the tiny models if needed, checks them, fits both directions."""
+def demo(
+    steps: Annotated[int, typer.Option(help="stage-2 steps per direction")] = 30,
+    eval_limit: Annotated[int, typer.Option(help="items per benchmark")] = 6,
+    data_dir: Annotated[Path | None, typer.Option(help="also run the local-file benchmarks from this folder")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """The main job on the embedded pair: build the tiny models if needed, fit both directions (stage 1 + a
+    short stage 2), benchmark, log to MLflow, register, and summarise with DuckDB."""
     from flows.demo import run_demo
 
     try:
-        result = run_demo()
+        result = run_demo(steps=steps, eval_limit=eval_limit, data_dir=data_dir)
     except KvlingoError as err:
         _fail(err)
     if as_json:
-        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.write(json.dumps(result, default=str) + "\n")
         return
+    from registry.report import print_report
+
     console = Console()
-    for name, report in result["doctor"].items():
-        worst = max(r["max_abs_logit_diff"] for r in report["points"].values())
-        console.print(f"doctor {name}: {'ok' if report['ok'] else 'FAILED'} (max |Δlogit| {worst:.1e} over 3 capture points)")
-    table = Table("source → target", "closed form", "empty prefix", "random map", "R² keys", "R² values",
-                  title="stage 1: validation KL (nats/token, lower is better)")
+    table = Table("source → target", "closed form", "distilled", "empty prefix", "random map", "R² keys", "R² values",
+                  title="validation KL (nats/token, lower is better)")
     for fit in result["fits"]:
         kl = fit["val_kl"]
-        table.add_row(f"{fit['source']} → {fit['target']}", f"{kl['closed_form']:.3f}", f"{kl['empty_prefix']:.3f}",
-                      f"{kl['random_map']:.3f}", f"{fit['r2']['keys']:.3f}", f"{fit['r2']['values']:.3f}")
+        table.add_row(f"{fit['source']} → {fit['target']}", f"{kl['closed_form']:.3f}", f"{kl.get('distilled', float('nan')):.3f}",
+                      f"{kl['empty_prefix']:.3f}", f"{kl['random_map']:.3f}", f"{fit['r2']['keys']:.3f}", f"{fit['r2']['values']:.3f}")
     console.print(table)
+    bench = Table("benchmark", "condition", "score", "± se", "n", title="quick benchmarks")
     for fit in result["fits"]:
-        console.print(f"artifact: {fit['artifact']}")
-    if not all(r["ok"] for r in result["doctor"].values()):
-        raise typer.Exit(1)
+        for row in fit["benchmarks"]:
+            bench.add_row(f"{row['benchmark']} ({fit['source']}→{fit['target']})", row["condition"], f"{row['score']:.3f}",
+                          f"{row['se']:.3f}", str(row["n"]))
+    console.print(bench)
+    print_report(result["duckdb"], console=console)
+    for fit in result["fits"]:
+        console.print(f"registered: {fit['registry']['model_uri']} (champion: version {fit['registry']['champion'].get('version')})")
+    console.print("browse the runs: [bold].venv/bin/kvlingo ui[/] then open http://127.0.0.1:5000")
 
 
 bench_app = typer.Typer(

@@ -1,31 +1,20 @@
 """`kvlingo demo`: the main job on the embedded default pair, end to end on a laptop CPU.
 
-Today: the round-trip check on both embedded models, then a stage-1 translator in both directions with its
-validation KL beside the two controls. Later stages (distillation, benchmarks, tracking) extend it.
+Builds the two embedded models on first use, then for both directions: stage 1 + a short stage 2, the
+data-free quick benchmarks (plus the local-file ones with --data-dir), an MLflow run per fit, registration
+as `<source>--<target>` with the champion alias, and the DuckDB summary. Interrupted, it resumes: statistics
+are content-addressed, stage 2 restarts from its last checkpoint.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from infra.config import FitConfig
-from infra.settings import kvlingo_home
 
-PAIR = ("kvlingo-tiny-l", "kvlingo-tiny-s")
+def run_demo(*, steps: int = 30, eval_limit: int = 6, data_dir: Path | None = None) -> dict[str, Any]:
+    from flows.pipeline import demo_flow
+    from registry.tracking import use_tracking_store
 
-
-def run_demo() -> dict[str, Any]:
-    from flows.cli import DOCTOR_PROMPT, _doctor_report
-    from flows.fit import run_fit
-
-    doctor = {name: _doctor_report(name, ["pre_norm", "post_norm", "post_rope"], DOCTOR_PROMPT, 1e-4) for name in PAIR}
-    fits = []
-    for source, target in (PAIR, PAIR[::-1]):
-        config = FitConfig(
-            source=source,
-            target=target,
-            stage1_only=True,
-            output_dir=kvlingo_home() / "runs" / "demo" / f"{source}--{target}",
-        )
-        fits.append(run_fit(config))
-    return {"doctor": doctor, "fits": fits}
+    use_tracking_store()  # fail fast on an unreachable tracking server, before any compute
+    return demo_flow(steps=steps, eval_limit=eval_limit, data_dir=data_dir)

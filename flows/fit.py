@@ -203,24 +203,34 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
     return translator, summary
 
 
-def distill(plan: FitPlan, closed_form, summary: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """Stage 2 from the closed-form maps; adds val_kl.distilled, steps and the history to the summary."""
+def distill(
+    plan: FitPlan, closed_form, summary: dict[str, Any], *, lr: float | None = None, seed: int | None = None,
+    cell_dir: Path | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Stage 2 from the closed-form maps; adds val_kl.distilled, steps and the history to the summary.
+
+    A sweep cell overrides the learning rate and seed and writes into its own `cell_dir` (its checkpoints make
+    a re-run of a finished cell free).
+    """
     from translators.artifact import save_translator
     from translators.stage1 import validation_kl
 
-    config = plan.config
+    updates = {k: v for k, v in (("lr", lr), ("seed", seed)) if v is not None}
+    config = plan.config.model_copy(update=updates)
+    out = Path(cell_dir) if cell_dir else plan.out
     src, tgt = plan.sides
-    distilled, history = _stage2(config, closed_form, src, tgt, plan.train, plan.val_pairs, plan.signatures, plan.out)
+    distilled, history = _stage2(config, closed_form, src, tgt, plan.train, plan.val_pairs, plan.signatures, out)
     final = validation_kl(src, tgt, plan.val_pairs, distilled)
     summary = {**summary}
     summary["val_kl"] = {**summary["val_kl"], "distilled": final.mean}
     summary["val_kl_se"] = {**summary["val_kl_se"], "distilled": final.se}
     summary["first_token_kl"] = {**summary["first_token_kl"], "distilled": final.first_token}
-    summary.update(stage="distilled", steps=config.steps, lr=config.lr, history=history, artifact=str(plan.out / "distilled"))
-    summary["artifacts"] = {**summary["artifacts"], "distilled": str(plan.out / "distilled")}
+    summary.update(stage="distilled", steps=config.steps, lr=config.lr, seed=config.seed, history=history,
+                   artifact=str(out / "distilled"), run_dir=str(out))
+    summary["artifacts"] = {**summary["artifacts"], "distilled": str(out / "distilled")}
     save_translator(
         distilled,
-        plan.out / "distilled",
+        out / "distilled",
         **plan.signatures,
         fit={"stage": "distilled", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "steps": config.steps, "lr": config.lr},
     )

@@ -31,7 +31,12 @@ def kvlingo_home() -> Path:
 
 
 def apply_offline_defaults() -> None:
-    """Set the offline and telemetry switches (without overriding values the user exported)."""
+    """Set the offline and telemetry switches (without overriding values the user exported).
+
+    Called by entry points (CLI, test session), never at import. Creates PREFECT_HOME: Prefect's temporary
+    local server keeps its sqlite database there and fails to start without the directory.
+    """
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("PREFECT_HOME", str(kvlingo_home() / "prefect"))
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)

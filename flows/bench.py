@@ -1,0 +1,155 @@
+"""`kvlingo bench speed`: the switch's time to first token against the target's re-prefill (paper §4.8,
+App. Y), per prefix length, with peak memory, decoding speed after each path and the FLOP model.
+
+Composition only: loading, prompts and the translator choice live here; the measurement is
+`evals.speed.measure_speed`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from infra.config import SpeedBenchConfig
+from translators.errors import ConfigError, PrefixTooLongError
+
+FIT_SAMPLES, FIT_WINDOW = 8, 128  # corpus windows for an on-the-fly closed form (speed does not need quality)
+WARMUP_TOKENS = 32
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'256,1024' → [256, 1024].
+
+    Raises:
+        ConfigError: an item that is not an integer, or an empty list.
+    """
+    items = [item.strip() for item in str(text).split(",") if item.strip()]
+    try:
+        lengths = [int(item) for item in items]
+    except ValueError:
+        raise ConfigError(f"--lengths must be comma-separated integers like 256,1024,2048, got {text!r}") from None
+    if not lengths:
+        raise ConfigError("--lengths is empty: give at least one prefix length, e.g. --lengths 256,1024")
+    return lengths
+
+
+def preflight(config: SpeedBenchConfig) -> None:
+    """Every check that needs no model, reported together.
+
+    Raises:
+        ConfigError: listing all problems.
+    """
+    from infra.zoo import resolve_model
+
+    problems = []
+    for role in ("source", "target"):
+        try:
+            resolve_model(getattr(config, role))
+        except ConfigError as err:
+            problems.append(f"{role}: {err}")
+    if config.translator is not None and not (config.translator / "manifest.json").is_file():
+        problems.append(f"translator: {config.translator} is not a translator artifact (no manifest.json)")
+    if problems:
+        raise ConfigError("cannot start the speed benchmark:\n  " + "\n  ".join(problems))
+
+
+def check_lengths(lengths: list[int], max_positions: int, decode_tokens: int, model_name: str) -> None:
+    """Raises PrefixTooLongError naming every length the model cannot read (prefix + decoded tokens)."""
+    too_long = [n for n in lengths if n + decode_tokens > max_positions]
+    if too_long:
+        raise PrefixTooLongError(
+            f"lengths {too_long} plus {decode_tokens} decoded tokens exceed the {max_positions} positions of "
+            f"{model_name}; use lengths up to {max_positions - decode_tokens}"
+        )
+
+
+def run_speed(config: SpeedBenchConfig) -> dict[str, Any]:
+    """Measure every length; returns the public JSON object {"rows": [...], ...metadata}."""
+    from evals.speed import MEMORY_NOTE, measure_speed, memory_kind
+    from infra.pairs import check_same_tokenizer
+    from infra.prompts import prompt_of_length
+    from translators.stage1 import Side
+
+    preflight(config)
+    started = time.perf_counter()
+    source, target = _load_pair(config.source, config.target)
+    check_same_tokenizer(source, target)
+    for loaded in (source, target):
+        check_lengths(config.lengths, loaded.layout.max_positions, config.decode_tokens, loaded.name)
+    translator, described = _translator(config, source, target)
+    src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
+    point = translator.point if translator is not None else config.point
+    prompts = {n: prompt_of_length(target.tokenizer, n, seed=config.seed) for n in config.lengths}
+    # Warm-up (discarded): first calls allocate workspaces and pick kernels.
+    warm = prompt_of_length(target.tokenizer, min(WARMUP_TOKENS, *config.lengths), seed=config.seed)
+    measure_speed(src, tgt, translator, warm, point=point, repeats=1, decode_tokens=1)
+    rows = []
+    with _progress() as progress:
+        task = progress.add_task("bench speed", total=len(config.lengths))
+        for n in config.lengths:
+            row = measure_speed(src, tgt, translator, prompts[n], point=point, repeats=config.repeats,
+                                decode_tokens=config.decode_tokens)
+            rows.append(row.as_dict())
+            progress.advance(task)
+    device = target.model.device
+    return {
+        "rows": rows,
+        "source": source.name,
+        "target": target.name,
+        "translator": described,
+        "point": point,
+        "device": str(device),
+        "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "memory": MEMORY_NOTE[memory_kind(device)],
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+
+
+def _load_pair(source_name: str, target_name: str):
+    """Load both models; one copy when source and target are the same name (a model switched into itself)."""
+    from infra.zoo import load_model
+
+    source = load_model(source_name)
+    return source, (source if target_name == source_name else load_model(target_name))
+
+
+def _translator(config: SpeedBenchConfig, source, target):
+    """The translator to time and a description: an artifact, the dense identity, or a quick closed form."""
+    from infra.pairs import load_for_pair
+    from translators.switch import identity_translator
+
+    if config.translator is not None:
+        return load_for_pair(config.translator, source, target), f"artifact {config.translator}"
+    if source.name == target.name:
+        # Dense identity maps: exact, and they cost what a real ν=1 translator costs.
+        return identity_translator(target.layout, config.point), "identity (dense ν=1 identity maps)"
+    return _quick_closed_form(config, source, target), f"closed form fitted on {FIT_SAMPLES}×{FIT_WINDOW} corpus tokens (depth, ν=1)"
+
+
+def _quick_closed_form(config: SpeedBenchConfig, source, target):
+    """A stage-1 translator from a few embedded-corpus windows: the right shapes and cost, rough quality."""
+    from infra.prompts import prompt_of_length
+    from translators.stage1 import Side, accumulate_pair, assign_layers, candidate_layers, empty_stats, solve_translator
+
+    # Plain windows of the synthetic corpus work for every tokenizer (chat template or not); another seed than
+    # the timed prompts.
+    text_ids = prompt_of_length(target.tokenizer, FIT_SAMPLES * FIT_WINDOW, seed=config.seed + 1)
+    windows = text_ids.view(FIT_SAMPLES, FIT_WINDOW)
+    src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
+    candidates = candidate_layers(source.layout, target.layout, "depth", 1)
+    stats = accumulate_pair(empty_stats(source.layout, target.layout, candidates), src, tgt, windows, config.point)
+    assignment = assign_layers(stats, source.layout, target.layout, "depth", 1)
+    # A small ridge: a thousand tokens may not span the cache width.
+    return solve_translator(stats, assignment, source.layout, target.layout, config.point, ridge=1e-3)
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True),  # stdout is reserved for --json
+    )

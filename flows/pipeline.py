@@ -1,0 +1,162 @@
+"""Prefect flows: fit (tracked), sweep, benchmark, speed, demo.
+
+They run locally with no server (Prefect starts a temporary local API) or on a Prefect server / work pool
+through `prefect.yaml`. Every fit logs an MLflow run (one experiment per pair) and registers its translator;
+sweep cells are nested under the sweep's run and are skipped when already trained and logged.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+
+from flows.evaluate import EvalConfig
+from infra.config import FitConfig
+from tasks.evaluate import eval_task
+from tasks.fit import closed_form_task, distill_task, gram_shard_task, plan_task
+from tasks.track import finished_cell_task, log_run_task, register_task
+
+DATA_FREE_BENCHMARKS = ["val_kl", "recall", "ruler_noise"]
+
+
+def _shards(samples: list, n: int) -> list[list]:
+    """Contiguous shards; statistics of disjoint shards sum exactly to the one-pass statistics."""
+    size = math.ceil(len(samples) / n)
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+
+def _stage1(config: FitConfig, n_shards: int):
+    plan = plan_task(config)
+    train_shards, val_shards = _shards(plan.train, n_shards), _shards(plan.val, 1)
+    futures = [gram_shard_task.submit(plan, shard) for shard in train_shards + val_shards]
+    for future in futures:
+        future.result()  # raises the shard's error, if any
+    translator, summary = closed_form_task(plan, train_shards, val_shards)
+    return plan, translator, summary
+
+
+def _benchmarks(config: FitConfig, fit_dir: Path, eval_limit: int, data_dir: Path | None, ruler_lengths: list[int]) -> list[dict]:
+    benchmarks = DATA_FREE_BENCHMARKS + (["mmlu_pro", "arc_challenge", "gsm8k", "xquad_multiturn"] if data_dir else [])
+    eval_config = EvalConfig(
+        source=config.source, target=config.target, benchmarks=benchmarks, fit_dir=fit_dir, limit=eval_limit,
+        data_dir=data_dir, ruler_lengths=ruler_lengths,
+    )
+    return eval_task(eval_config)["rows"]
+
+
+@flow(name="kvlingo-fit")
+def fit_flow(
+    config: FitConfig,
+    *,
+    n_shards: int = 2,
+    evaluate: bool = True,
+    eval_limit: int = 6,
+    data_dir: Path | None = None,
+    ruler_lengths: list[int] | None = None,
+    register_translator: bool = True,
+) -> dict[str, Any]:
+    """Pair → samples → Gram statistics fanned out per shard (cached) → assignment → closed form → distillation
+    (Ray when workers > 1) → benchmark suite → MLflow run → registered translator."""
+    plan, translator, summary = _stage1(config, n_shards)
+    if not config.stage1_only:
+        translator, summary = distill_task(plan, translator, summary)
+    rows = _benchmarks(config, plan.out, eval_limit, data_dir, ruler_lengths or [256, 512]) if evaluate else []
+    run_id = log_run_task(summary, config.model_dump(mode="json"), bench_rows=rows)
+    result = {**summary, "run_id": run_id, "benchmarks": rows}
+    if register_translator:
+        result["registry"] = register_task(summary["artifact"], run_id)
+    return result
+
+
+@flow(name="kvlingo-sweep")
+def sweep_flow(
+    pairs: list[tuple[str, str]],
+    *,
+    both_directions: bool = True,
+    centre_lr: float = 3e-3,
+    n_rates: int = 5,
+    seeds: list[int] | None = None,
+    base: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """App. E: per (pair, direction) five rates half a decade apart around `centre_lr`, extended while the best is
+    on an edge, selected by final validation KL; the remaining seeds then train at the chosen rate. Stage 1 and
+    finished cells are reused on a re-run."""
+    from registry.tracking import pair_name, tracking_client, use_tracking_store
+    from translators.lr_selection import select_learning_rate
+
+    seeds = seeds or [0]
+    use_tracking_store()
+    client = tracking_client()
+    directions = [(s, t) for s, t in pairs] + ([(t, s) for s, t in pairs] if both_directions else [])
+    results: dict[str, Any] = {}
+    for source, target in directions:
+        config = FitConfig(source=source, target=target, **(base or {}))
+        plan, closed_form, summary = _stage1(config, n_shards=2)
+        experiment = client.get_experiment_by_name(pair_name(source, target))
+        parent = client.create_run(experiment.experiment_id if experiment else _experiment_id(client, source, target),
+                                   run_name="sweep", tags={"kvlingo.kind": "sweep", "source": source, "target": target})
+        trained: list[str] = []
+
+        def cell(lr: float, seed: int) -> float:
+            key = f"{pair_name(source, target)}|lr={lr:.3g}|seed={seed}|steps={config.steps}"
+            found = finished_cell_task(key)
+            if found and found["val_kl"] is not None:
+                return found["val_kl"]
+            _, cell_summary = distill_task(plan, closed_form, summary, lr=lr, seed=seed,
+                                           cell_dir=plan.out / "sweep" / f"lr_{lr:.3g}_seed_{seed}")
+            run_id = log_run_task(cell_summary, config.model_copy(update={"lr": lr, "seed": seed}).model_dump(mode="json"),
+                                  parent_run_id=parent.info.run_id, tags={"kvlingo.cell": key})
+            trained.append(run_id)
+            register_task(cell_summary["artifact"], run_id)
+            return cell_summary["val_kl"]["distilled"]
+
+        selected, by_rate = select_learning_rate(lambda lr: cell(lr, seeds[0]), centre_lr, n=n_rates)
+        seed_kl = {seed: cell(selected, seed) for seed in seeds[1:]}
+        client.set_terminated(parent.info.run_id)
+        results[pair_name(source, target)] = {
+            "selected_lr": selected, "val_kl_by_lr": {f"{lr:.3g}": kl for lr, kl in sorted(by_rate.items())},
+            "other_seeds": seed_kl, "trained_runs": trained,
+        }
+    return results
+
+
+def _experiment_id(client, source: str, target: str) -> str:
+    from registry.tracking import _ensure_experiment, pair_name
+
+    return _ensure_experiment(client, pair_name(source, target), source, target)
+
+
+@flow(name="kvlingo-benchmark")
+def benchmark_flow(config: EvalConfig) -> dict[str, Any]:
+    """A (registered) translator on a benchmark suite; rows logged to a new MLflow run of the pair."""
+    from registry.tracking import log_benchmark_rows, pair_name, tracking_client, use_tracking_store
+
+    result = eval_task(config)
+    use_tracking_store()
+    client = tracking_client()
+    run = client.create_run(_experiment_id(client, result["source"], result["target"]), run_name=f"benchmark {config.suite}",
+                            tags={"kvlingo.kind": "benchmark", "source": result["source"], "target": result["target"],
+                                  "translators": ",".join(config.translators)})
+    log_benchmark_rows(run.info.run_id, result["rows"])
+    client.set_terminated(run.info.run_id)
+    return {**result, "run_id": run.info.run_id, "experiment": pair_name(result["source"], result["target"])}
+
+
+@flow(name="kvlingo-demo")
+def demo_flow(steps: int = 30, n_train: int = 96, n_val: int = 16, eval_limit: int = 6,
+              data_dir: Path | None = None, pair: tuple[str, str] = ("kvlingo-tiny-l", "kvlingo-tiny-s")) -> dict[str, Any]:
+    """The README's main job: the embedded pair in both directions, tracked, registered, summarised."""
+    from infra.settings import kvlingo_home
+    from registry.report import refresh_duckdb, report_rows
+
+    fits = []
+    for source, target in (pair, pair[::-1]):
+        config = FitConfig(source=source, target=target, steps=steps, n_train=n_train, n_val=n_val, lr=3e-3,
+                           eval_every=max(1, steps // 3), checkpoint_every=max(1, steps // 3),
+                           output_dir=kvlingo_home() / "runs" / "demo" / f"{source}--{target}")
+        fits.append(fit_flow(config, eval_limit=eval_limit, data_dir=data_dir, ruler_lengths=[128, 256]))
+    db = refresh_duckdb()
+    return {"fits": fits, "report": report_rows(db), "duckdb": str(db)}
