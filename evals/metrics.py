@@ -242,6 +242,9 @@ def paired_bootstrap_ci(
     if n_resamples < 1:
         raise ConfigError(f"n_resamples must be >= 1, got {n_resamples}")
     diff = t - nat  # [n]
+    if np.ptp(diff) == 0.0:
+        # Every resample has the same mean; scipy reports such degenerate data as NaN, the exact CI is [d, d].
+        return float(diff[0]), float(diff[0]), float(diff[0])
     res = stats.bootstrap((diff,), np.mean, n_resamples=n_resamples, confidence_level=confidence,
                           method="percentile", vectorized=True, rng=np.random.default_rng(seed))
     return float(diff.mean()), float(res.confidence_interval.low), float(res.confidence_interval.high)

@@ -7,18 +7,20 @@ the source already holds its cache.
 
 Memory: on CUDA, the peak of `torch.cuda.max_memory_allocated` above the allocation before the path; on CPU
 (Linux), the peak resident set size (VmHWM, reset through /proc/self/clear_refs) above the RSS before the
-path, which also counts allocator caching; elsewhere it is not measured (None).
+path, after glibc's malloc_trim returned freed heap pages (so the baseline is live memory); elsewhere it is not
+measured (None).
 """
 
 from __future__ import annotations
 
+import ctypes
 import re
 import statistics
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -35,8 +37,8 @@ from translators.translator import Translator
 
 MEMORY_NOTE = {
     "cuda": "peak torch.cuda.max_memory_allocated above the allocation before the path (MB)",
-    "cpu": "peak RSS (VmHWM reset via /proc/self/clear_refs) above the RSS before the path (MB); includes "
-    "allocator caching",
+    "cpu": "peak RSS (VmHWM reset via /proc/self/clear_refs) above the RSS before the path, after returning "
+    "freed heap to the OS (MB)",
     None: "not measured on this platform",
 }
 
@@ -119,6 +121,7 @@ def peak_memory(device: torch.device) -> Iterator[Peak]:
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     elif kind == "cpu":
+        _release_free_heap()
         before = _rss_kb("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
     yield peak
@@ -127,6 +130,15 @@ def peak_memory(device: torch.device) -> Iterator[Peak]:
         peak.mb = (torch.cuda.max_memory_allocated(device) - before) / 2**20
     elif kind == "cpu":
         peak.mb = max(0, _rss_kb("VmHWM") - before) / 1024
+
+
+def _release_free_heap() -> None:
+    """Return freed heap pages to the OS (glibc malloc_trim), so that the RSS before a path counts live memory
+    only and the path's own allocations show up in its peak instead of reusing pages an earlier path freed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: the measurement then also absorbs reused heap pages
 
 
 def _rss_kb(field: str) -> int:

@@ -7,7 +7,6 @@ token ids) of the switched continuation against the native one.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from evals.metrics import mean_se
 from translators.errors import ConfigError
 from translators.generation import GenerationSettings
 from translators.stage1 import Side
@@ -36,8 +36,9 @@ class SwitchQualityRecord:
     native_text: str | None = None
 
 
-def token_f1(prediction: Sequence[int], reference: Sequence[int]) -> float:
-    """F1 of the multiset overlap of two token sequences (1.0 when both are empty, 0.0 when one is)."""
+def token_id_f1(prediction: Sequence[int], reference: Sequence[int]) -> float:
+    """F1 of the multiset overlap of two token-id sequences (not `evals.metrics.token_f1`, which compares
+    normalised answer text) (1.0 when both are empty, 0.0 when one is)."""
     if not prediction and not reference:
         return 1.0
     common = sum((Counter(prediction) & Counter(reference)).values())
@@ -83,7 +84,7 @@ def switch_quality(
                 item=i,
                 n_prefix=int(torch.as_tensor(prefix).numel()),
                 first_token_match=switched.token_ids[0] == native.token_ids[0],
-                token_f1=token_f1(switched.token_ids, native.token_ids),
+                token_f1=token_id_f1(switched.token_ids, native.token_ids),
                 switched_ids=switched.token_ids,
                 native_ids=native.token_ids,
                 switched_text=switched.text,
@@ -106,8 +107,5 @@ def summarize(records: Sequence[SwitchQualityRecord]) -> dict[str, float]:
         ("first_token_agreement", [float(r.first_token_match) for r in records]),
         ("token_f1", [r.token_f1 for r in records]),
     ):
-        mean = sum(values) / len(values)
-        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
-        out[name] = mean
-        out[f"{name}_se"] = math.sqrt(var / len(values))
+        out[name], out[f"{name}_se"] = mean_se(values)
     return out

@@ -75,6 +75,8 @@ def run_speed(config: SpeedBenchConfig) -> dict[str, Any]:
     from translators.stage1 import Side
 
     preflight(config)
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)  # both paths run in this process with the same threads
     started = time.perf_counter()
     source, target = _load_pair(config.source, config.target)
     check_same_tokenizer(source, target)

@@ -203,7 +203,7 @@ def demo(
 
 
 bench_app = typer.Typer(
-    help="Benchmarks of the switch runtime (speed; more to come).", no_args_is_help=True, add_completion=False
+    help="Speed and memory benchmarks: the switch (speed) and one distillation step (step).", no_args_is_help=True, add_completion=False
 )
 app.add_typer(bench_app, name="bench")
 
@@ -219,6 +219,7 @@ def bench_speed(
     repeats: Annotated[int, typer.Option(help="timed runs per length; medians are reported")] = 3,
     decode_tokens: Annotated[int, typer.Option(help="tokens decoded after each path for the decoding speed")] = 16,
     point: Annotated[str, typer.Option(help="capture point without an artifact: pre_norm | post_norm | post_rope")] = "pre_norm",
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads for both paths (default: torch's setting)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
     """Time to first token after a switch (translate + one target step) vs the target's re-prefill.
@@ -231,7 +232,7 @@ def bench_speed(
 
     try:
         overrides = dict(source=source, target=target, lengths=parse_lengths(lengths), translator=translator,
-                         repeats=repeats, decode_tokens=decode_tokens, point=point)
+                         repeats=repeats, decode_tokens=decode_tokens, point=point, threads=threads)
         cfg = load_config(SpeedBenchConfig, None, overrides)
         result = run_speed(cfg)
     except KvlingoError as err:
@@ -240,6 +241,38 @@ def bench_speed(
         sys.stdout.write(json.dumps(result) + "\n")
         return
     _print_speed(result)
+
+
+@bench_app.command("step")
+def bench_step(
+    source: Annotated[str, typer.Argument(help="source model")],
+    target: Annotated[str, typer.Argument(help="target model (trained through)")],
+    prefix_tokens: Annotated[int, typer.Option(help="prefix length n")] = 512,
+    continuation_tokens: Annotated[int, typer.Option(help="continuation length m")] = 64,
+    repeats: Annotated[int, typer.Option(help="timed repeats (medians)")] = 3,
+    translator: Annotated[str | None, typer.Option(help="translator artifact (default: random ν=1 maps)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """One stage-2 distillation step beside one plain forward+backward of the target on the same tokens."""
+    from flows.bench_step import run_step_bench
+
+    try:
+        result = run_step_bench(source, target, prefix_tokens=prefix_tokens, continuation_tokens=continuation_tokens,
+                                repeats=repeats, translator_path=translator)
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    table = Table("path", "seconds (median)", "peak MB", title=f"{result['source']} → {result['target']}, "
+                  f"n={result['prefix_tokens']}, m={result['continuation_tokens']}, {result['device']}")
+    for name in ("distill_step", "teacher_prefill", "target_fwd_bwd"):
+        table.add_row(name, f"{result['seconds'][name]:.3f}", _num(result["peak_mb"][name]))
+    console = Console()
+    console.print(table)
+    console.print(f"distillation step / target forward+backward: time {result['time_ratio']:.2f}× "
+                  f"({result['time_ratio_with_teacher']:.2f}× with an uncached teacher), memory "
+                  f"{_num(result['memory_ratio'])}×  [{result['memory_measure']}]")
 
 
 def _print_speed(result: dict) -> None:

@@ -86,3 +86,4 @@ class SpeedBenchConfig(BaseModel):
     decode_tokens: int = Field(16, ge=1, description="tokens decoded after each path to measure decoding speed")
     point: Literal["pre_norm", "post_norm", "post_rope"] = "pre_norm"
     seed: int = Field(0, ge=0)
+    threads: int | None = Field(None, ge=1, description="torch CPU threads for both paths; default: leave as set")

@@ -1,9 +1,12 @@
-"""Checks on a (source, target) pair before anything is fitted."""
+"""Checks on a (source, target) pair, and loading a translator artifact for a loaded pair."""
 
 from __future__ import annotations
 
-from infra.zoo import LoadedModel
+from pathlib import Path
+
+from infra.zoo import LoadedModel, model_signature
 from translators.errors import PairMismatchError
+from translators.translator import Translator
 
 
 def check_same_tokenizer(source: LoadedModel, target: LoadedModel) -> None:
@@ -31,3 +34,23 @@ def check_same_tokenizer(source: LoadedModel, target: LoadedModel) -> None:
         f"{source.name} and {target.name} use different tokenizers ({'; '.join(details)}). Only same-tokenizer "
         "pairs are supported so far (cross-tokenizer alignment is planned); pick a pair from one model family."
     )
+
+
+def load_for_pair(path: str | Path, source: LoadedModel, target: LoadedModel) -> Translator:
+    """Load a translator artifact for this loaded pair, refusing one fitted for other models.
+
+    The manifest's pair signature is checked against both models' signatures (names, weight identities,
+    config and tokenizer hashes, cache layouts), then the maps' shapes against the layouts.
+
+    Raises:
+        ArtifactError: not an artifact, or tampered/corrupt weights.
+        PairMismatchError: fitted for another source or target (the differing field is named), or shapes that
+            do not fit.
+    """
+    from translators.artifact import load_translator
+    from translators.switch import check_translator_fits
+
+    translator, _manifest = load_translator(path, source=model_signature(source), target=model_signature(target))
+    check_translator_fits(translator, source.layout, target.layout)
+    translator.to(target.model.device)
+    return translator

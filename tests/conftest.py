@@ -2,14 +2,14 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_configs.py
 
 from infra.settings import apply_offline_defaults  # noqa: E402
 
-apply_offline_defaults()
+apply_offline_defaults()  # before torch loads: OMP_WAIT_POLICY is read once, at import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 # Two cores: keep torch from oversubscribing when helpers or Ray workers run beside the tests.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

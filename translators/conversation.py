@@ -1,0 +1,469 @@
+"""Multi-turn model switching (paper §4.7, App. Q, Fig. 32): each model keeps its own cache line.
+
+A `Conversation` holds one shared token history and, per model, a *cache line*: per-layer keys at the
+capture point and values, plus positions, for the first `seen` tokens of the history. The line mixes spans
+the model computed itself (when it generated or read them) and spans translated from another model.
+
+At `switch_to(model)`:
+- `segment` (default, KV-Lingo): only the span written since that model last held the conversation is
+  translated, each piece from the cache line of the model that wrote it natively, and appended at
+  consecutive positions. No span passes through more than one translator.
+- `naive`: the incoming model's line is replaced by a translation of the outgoing model's whole line, which
+  holds spans it received translated itself: they go back and forth, once per switch, compounding error.
+- `reprefill` (reference): the incoming model prefills the missing span itself; every line stays native.
+- `refresh_every=k` (optional, any mode): a model whose line has held translated content for k or more
+  generation turns re-prefills the whole history natively at its next switch instead of translating.
+
+Keys and values of what the active model reads and generates are recorded from its own forward passes (hooks
+on k_proj/v_proj), so a model's line holds exactly the cache it decoded with, as in deployment.
+`translation_counts` counts, per written span (start, end), how many times it has been translated.
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from translators.capture import capture
+from translators.errors import ConfigError, KvlingoError, PrefixTooLongError
+from translators.generation import GenerationSettings, decode_from
+from translators.inject import build_cache, decode_step
+from translators.layout import CacheLayout, decoder_of
+from translators.points import keys_to_point
+from translators.stage1 import Side
+from translators.switch import check_translator_fits, resolve_point, translate
+from translators.translator import Translator
+
+MODES = ("segment", "naive", "reprefill")
+
+
+class ConversationStateError(KvlingoError):
+    """An internal invariant of the cache lines broke (a bug, not bad input): the message says which."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens [start, end) of the history, first computed natively by `writer`."""
+
+    start: int
+    end: int
+    writer: str
+
+
+@dataclass(frozen=True)
+class LineSegment:
+    """A piece [start, end) of one model's cache line: computed by `origin`, through `hops` translators."""
+
+    start: int
+    end: int
+    origin: str
+    hops: int  # 0: the line's own model computed it
+
+
+@dataclass
+class CacheLine:
+    """One model's cache of the history's first `n_tokens` tokens.
+
+    keys[l], values[l]: [n_tokens, n_kv_heads * head_dim] fp32 at capture point `point` (keys); positions:
+    [n_tokens].
+    """
+
+    point: str
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    segments: list[LineSegment] = field(default_factory=list)
+    translated_since_turn: int | None = None  # turn count when translated content first entered (None: native)
+
+    @classmethod
+    def empty(cls, layout: CacheLayout, point: str, device: torch.device) -> CacheLine:
+        width = layout.kv_width
+        blank = [torch.zeros(0, width, device=device) for _ in range(layout.n_layers)]
+        return cls(point, blank, [t.clone() for t in blank], torch.zeros(0, dtype=torch.long))
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def append(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], start: int, origin: str, hops: int) -> None:
+        """Append a span at positions start.. (start must equal n_tokens: lines grow without gaps).
+
+        Raises:
+            ConversationStateError: a gap or overlap, or a wrong number of layers.
+        """
+        if start != self.n_tokens:
+            raise ConversationStateError(f"a span starting at {start} cannot follow a line of {self.n_tokens} tokens")
+        if len(keys) != len(self.keys) or len(values) != len(self.values):
+            raise ConversationStateError(f"expected {len(self.keys)} layers, got {len(keys)} keys and {len(values)} values")
+        n = int(keys[0].shape[0])
+        device = self.keys[0].device
+        self.keys = [torch.cat([old, new.detach().to(device, torch.float32)]) for old, new in zip(self.keys, keys)]
+        self.values = [torch.cat([old, new.detach().to(device, torch.float32)]) for old, new in zip(self.values, values)]
+        self.positions = torch.cat([self.positions, torch.arange(start, start + n)])
+        if n:
+            self.segments.append(LineSegment(start, start + n, origin, hops))
+
+    def slice(self, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of tokens [start, end): lists over layers of [end - start, width]."""
+        return [k[start:end] for k in self.keys], [v[start:end] for v in self.values]
+
+    def to_cache(self, side: Side) -> DynamicCache:
+        """A fresh engine cache holding this line (the model's k-norm and RoPE applied at the line's positions)."""
+        if self.n_tokens == 0:
+            return DynamicCache(config=side.model.config)
+        return build_cache(side.model, side.layout, self.keys, self.values, point=self.point, positions=self.positions)
+
+
+@dataclass
+class TurnResult:
+    """One generation turn of the active model."""
+
+    model: str
+    start: int  # history position of the first generated token
+    token_ids: list[int]
+    text: str | None
+    stopped: str
+    read_s: float  # forward over the tokens the model had not read yet (ends with the first prediction)
+    decode_s: float
+
+
+@dataclass
+class SwitchRecord:
+    """What one `switch_to` did."""
+
+    source: str
+    target: str
+    how: str  # "segment" | "naive" | "reprefill" | "refresh" | "none"
+    spans: list[tuple[int, int]]  # history spans that were translated (empty for reprefill/refresh/none)
+    n_tokens: int  # tokens translated or re-prefilled
+    seconds: float
+
+
+class Conversation:
+    """A shared history that several models take turns on, each keeping its own cache line.
+
+    Args:
+        models: name → Side (model and layout). Same tokenizer for all.
+        holder: the model that holds the conversation first.
+        translators: (from, to) → Translator, or None for the identity (copies of one model); every ordered
+            pair of distinct names. Default: identity everywhere.
+        mode: "segment" | "naive" | "reprefill".
+        refresh_every: re-prefill a line natively after this many turns with translated content (None: never).
+        point: capture point when every translator is the identity (default pre_norm).
+        tokenizer: decodes turn texts when given.
+    Raises:
+        ConfigError: unknown mode/holder, missing translator, translators at different points, refresh_every < 1.
+        PairMismatchError: a translator that does not fit its pair.
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, Side],
+        *,
+        holder: str,
+        translators: Mapping[tuple[str, str], Translator | None] | None = None,
+        mode: str = "segment",
+        refresh_every: int | None = None,
+        point: str | None = None,
+        tokenizer: Any = None,
+    ):
+        self.models = dict(models)
+        _check_mode(mode)
+        _check_refresh(refresh_every)
+        self.mode, self.refresh_every, self.tokenizer = mode, refresh_every, tokenizer
+        self.translators = _complete_translators(self.models, translators)
+        self.point = _common_point(self.translators, point)
+        self.holder = self._name(holder)
+        self.tokens: list[int] = []
+        self.spans: list[Span] = []
+        self.translation_counts: dict[tuple[int, int], int] = {}
+        self.n_turns = 0
+        self.events: list[TurnResult | SwitchRecord] = []
+        self.lines = {
+            name: CacheLine.empty(side.layout, self.point, side.model.device) for name, side in self.models.items()
+        }
+
+    # --- Public API -------------------------------------------------------------------------------
+
+    @property
+    def max_positions(self) -> int:
+        """Positions every model can read: the history must fit all of them."""
+        return min(side.layout.max_positions for side in self.models.values())
+
+    def seen(self, name: str) -> int:
+        """How many tokens of the history `name`'s cache line covers."""
+        return self.lines[self._name(name)].n_tokens
+
+    def line_segments(self, name: str) -> list[LineSegment]:
+        return list(self.lines[self._name(name)].segments)
+
+    def append(self, token_ids: Sequence[int] | torch.Tensor) -> None:
+        """Add tokens to the shared history (e.g. a rendered user turn); the next holder to generate reads them.
+
+        Raises:
+            ConfigError: no tokens. PrefixTooLongError: the history would exceed a model's positions.
+        """
+        ids = [int(t) for t in torch.as_tensor(token_ids, dtype=torch.long).view(-1)]
+        if not ids:
+            raise ConfigError("nothing to append: give at least one token id")
+        self._check_fits(len(self.tokens) + len(ids), "appending these tokens")
+        self.tokens.extend(ids)
+
+    def generate(self, settings: GenerationSettings | None = None) -> TurnResult:
+        """The holder reads the tokens its line lacks and generates; its own keys/values join its line.
+
+        Raises:
+            ConfigError: empty history, invalid settings. PrefixTooLongError: history + budget beyond positions.
+        """
+        settings = settings or GenerationSettings()
+        settings.check()
+        if not self.tokens:
+            raise ConfigError("the conversation is empty: append the prompt's token ids before generating")
+        self._check_fits(len(self.tokens) + settings.max_new_tokens - 1, f"generating {settings.max_new_tokens} tokens")
+        name, side, line = self.holder, self.models[self.holder], self.lines[self.holder]
+        start = line.n_tokens
+        if start != self._written():
+            raise ConversationStateError(f"{name} covers {start} tokens but {self._written()} were written")
+        pending = torch.tensor(self.tokens[start:])
+        with torch.no_grad(), _recording(side.model) as raw:
+            cache = line.to_cache(side)
+            t0 = time.perf_counter()
+            logits = decode_step(side.model, cache, pending, logits_to_keep=1)[-1]
+            read_s = time.perf_counter() - t0
+            decoded = decode_from(side.model, cache, logits, settings)
+        # The last generated token was not fed back, so the recorded rows stop just before it.
+        count = pending.numel() + len(decoded.token_ids) - 1
+        keys, values = _own_kv(side, raw, start, count, self.point)
+        line.append(keys, values, start, origin=name, hops=0)
+        self._add_span(Span(start, start + count, name))
+        position = len(self.tokens)
+        self.tokens.extend(decoded.token_ids)
+        self.n_turns += 1
+        text = self.tokenizer.decode(decoded.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        turn = TurnResult(name, position, decoded.token_ids, text, decoded.stopped, read_s, decoded.decode_s)
+        self.events.append(turn)
+        return turn
+
+    def switch_to(self, name: str) -> SwitchRecord:
+        """Hand the conversation to `name`, bringing its cache line up to date by the conversation's mode.
+
+        Raises:
+            ConfigError: unknown model name.
+        """
+        name = self._name(name)
+        outgoing = self.holder
+        started = time.perf_counter()
+        if name == outgoing:
+            record = SwitchRecord(outgoing, name, "none", [], 0, 0.0)
+        elif self._needs_refresh(name):
+            record = self._refresh(outgoing, name)
+        elif self.mode == "segment":
+            record = self._switch_segment(outgoing, name)
+        elif self.mode == "naive":
+            record = self._switch_naive(outgoing, name)
+        else:
+            record = self._switch_reprefill(outgoing, name)
+        record.seconds = time.perf_counter() - started
+        self.holder = name
+        self.events.append(record)
+        return record
+
+    def max_translation_count(self) -> int:
+        """The most times any written span has been translated (1 at most in segment mode)."""
+        return max(self.translation_counts.values(), default=0)
+
+    # --- Switch strategies ------------------------------------------------------------------------
+
+    def _switch_segment(self, outgoing: str, incoming: str) -> SwitchRecord:
+        """Translate each span the incoming line lacks from the line of the model that wrote it."""
+        line = self.lines[incoming]
+        upto = self.lines[outgoing].n_tokens
+        done = []
+        for span in self.spans:
+            start, end = max(span.start, line.n_tokens), min(span.end, upto)
+            if start >= end:
+                continue
+            writer = self.lines[span.writer]
+            _check_native(writer, span)
+            keys, values = translate(self.translators[(span.writer, incoming)], *writer.slice(start, end))
+            line.append(keys, values, start, origin=span.writer, hops=1)
+            if line.translated_since_turn is None:
+                line.translated_since_turn = self.n_turns
+            self.translation_counts[(span.start, span.end)] += 1
+            done.append((start, end))
+        return SwitchRecord(outgoing, incoming, "segment", done, sum(e - s for s, e in done), 0.0)
+
+    def _switch_naive(self, outgoing: str, incoming: str) -> SwitchRecord:
+        """Replace the incoming line by a translation of the outgoing model's whole line."""
+        source = self.lines[outgoing]
+        keys, values = translate(self.translators[(outgoing, incoming)], source.keys, source.values)
+        side = self.models[incoming]
+        fresh = CacheLine.empty(side.layout, self.point, side.model.device)
+        previous = self.lines[incoming].translated_since_turn
+        fresh.translated_since_turn = self.n_turns if previous is None else previous
+        for seg in source.segments:
+            fresh.append([k[seg.start:seg.end] for k in keys], [v[seg.start:seg.end] for v in values],
+                         seg.start, origin=seg.origin, hops=seg.hops + 1)
+        self.lines[incoming] = fresh
+        for span in self.spans:
+            if span.end <= source.n_tokens:
+                self.translation_counts[(span.start, span.end)] += 1
+        spans = [(s.start, s.end) for s in self.spans if s.end <= source.n_tokens]
+        return SwitchRecord(outgoing, incoming, "naive", spans, source.n_tokens, 0.0)
+
+    def _switch_reprefill(self, outgoing: str, incoming: str) -> SwitchRecord:
+        """The incoming model reads the tokens its line lacks itself (exact reference)."""
+        line = self.lines[incoming]
+        start, upto = line.n_tokens, self.lines[outgoing].n_tokens
+        if upto > start:
+            self._read_natively(incoming, start, upto)
+        return SwitchRecord(outgoing, incoming, "reprefill", [], max(0, upto - start), 0.0)
+
+    def _refresh(self, outgoing: str, incoming: str) -> SwitchRecord:
+        """Rebuild the incoming line by a native prefill of the whole history its line should cover."""
+        upto = self.lines[outgoing].n_tokens
+        side = self.models[incoming]
+        line = CacheLine.empty(side.layout, self.point, side.model.device)
+        if upto:
+            with torch.no_grad():
+                cap = capture(side.model, side.layout, torch.tensor(self.tokens[:upto]), self.point)
+            line.append(cap.keys, cap.values, 0, origin=incoming, hops=0)
+        self.lines[incoming] = line
+        return SwitchRecord(outgoing, incoming, "refresh", [], upto, 0.0)
+
+    def _needs_refresh(self, name: str) -> bool:
+        since = self.lines[name].translated_since_turn
+        return self.refresh_every is not None and since is not None and self.n_turns - since >= self.refresh_every
+
+    def _read_natively(self, name: str, start: int, end: int) -> None:
+        """`name` runs over history tokens [start, end) on top of its line; their keys/values join it."""
+        side, line = self.models[name], self.lines[name]
+        with torch.no_grad(), _recording(side.model) as raw:
+            decode_step(side.model, line.to_cache(side), torch.tensor(self.tokens[start:end]), logits_to_keep=1)
+        keys, values = _own_kv(side, raw, start, end - start, self.point)
+        line.append(keys, values, start, origin=name, hops=0)
+
+    # --- Helpers ----------------------------------------------------------------------------------
+
+    def _written(self) -> int:
+        return self.spans[-1].end if self.spans else 0
+
+    def _add_span(self, span: Span) -> None:
+        if span.end > span.start:
+            self.spans.append(span)
+            self.translation_counts[(span.start, span.end)] = 0
+
+    def _check_fits(self, n_positions: int, what: str) -> None:
+        if n_positions > self.max_positions:
+            raise PrefixTooLongError(
+                f"{what} needs {n_positions} positions but the conversation's models read at most "
+                f"{self.max_positions}; start a new conversation or generate fewer tokens"
+            )
+
+    def _name(self, name: str) -> str:
+        if name not in self.models:
+            close = difflib.get_close_matches(str(name), list(self.models), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown model {name!r} in this conversation{hint} (models: {', '.join(self.models)})")
+        return name
+
+
+# --- Module helpers -------------------------------------------------------------------------------
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        close = difflib.get_close_matches(mode, MODES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown conversation mode {mode!r}{hint} (choose from {', '.join(MODES)})")
+
+
+def _check_refresh(refresh_every: int | None) -> None:
+    if refresh_every is not None and (isinstance(refresh_every, bool) or not isinstance(refresh_every, int) or refresh_every < 1):
+        raise ConfigError(f"refresh_every must be a positive number of turns or None, got {refresh_every!r}")
+
+
+def _complete_translators(
+    models: dict[str, Side], given: Mapping[tuple[str, str], Translator | None] | None
+) -> dict[tuple[str, str], Translator | None]:
+    """A translator (or identity) for every ordered pair of distinct models, each checked against its pair."""
+    if len(models) < 2:
+        raise ConfigError(f"a conversation needs at least two models to switch between, got {len(models)}")
+    pairs = [(a, b) for a in models for b in models if a != b]
+    if given is None:
+        given = {pair: None for pair in pairs}
+    unknown = [pair for pair in given if pair not in pairs]
+    missing = [pair for pair in pairs if pair not in given]
+    if unknown or missing:
+        raise ConfigError(
+            "translators must cover every ordered pair of distinct models exactly: "
+            + (f"missing {missing}" if missing else "")
+            + ("; " if unknown and missing else "")
+            + (f"unknown {unknown}" if unknown else "")
+        )
+    for (a, b), translator in given.items():
+        check_translator_fits(translator, models[a].layout, models[b].layout)
+    return dict(given)
+
+
+def _common_point(translators: Mapping[tuple[str, str], Translator | None], point: str | None) -> str:
+    """Every line stores keys at one capture point, so every translator must act there."""
+    points = {resolve_point(t, point) for t in translators.values()}
+    if len(points) != 1:
+        raise ConfigError(f"the conversation's translators act at different capture points {sorted(points)}; use one point")
+    return points.pop()
+
+
+def _check_native(line: CacheLine, span: Span) -> None:
+    """The writer's line must hold its own (untranslated) cache of the span it wrote."""
+    for seg in line.segments:
+        if seg.start < span.end and span.start < seg.end and seg.hops != 0:
+            raise ConversationStateError(f"{span.writer}'s line holds span {span.start}-{span.end} translated")
+
+
+@contextmanager
+def _recording(model: nn.Module) -> Iterator[dict[str, dict[int, list[torch.Tensor]]]]:
+    """Record every k_proj/v_proj output (pre_norm keys, values) of the model's forwards, per layer."""
+    raw: dict[str, dict[int, list[torch.Tensor]]] = {"keys": {}, "values": {}}
+    handles = []
+
+    def keep(side: str, layer: int):
+        def hook(_module, _inputs, output):
+            raw[side].setdefault(layer, []).append(output[0].detach())  # [n_new, width]
+
+        return hook
+
+    for i, layer in enumerate(decoder_of(model).layers):
+        handles.append(layer.self_attn.k_proj.register_forward_hook(keep("keys", i)))
+        handles.append(layer.self_attn.v_proj.register_forward_hook(keep("values", i)))
+    try:
+        yield raw
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _own_kv(side: Side, raw, start: int, count: int, point: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Recorded rows for history tokens [start, start + count) with keys moved to `point`.
+
+    Raises:
+        ConversationStateError: the recorded rows do not cover exactly `count` tokens.
+    """
+    positions = torch.arange(start, start + count)
+    keys, values = [], []
+    for layer in range(side.layout.n_layers):
+        k = torch.cat(raw["keys"][layer])
+        v = torch.cat(raw["values"][layer])
+        if k.shape[0] != count or v.shape[0] != count:
+            raise ConversationStateError(f"recorded {k.shape[0]} rows for {count} tokens in layer {layer}")
+        keys.append(keys_to_point(side.model, side.layout, layer, k, start="pre_norm", end=point, positions=positions))
+        values.append(v)
+    return keys, values
