@@ -176,9 +176,11 @@ def bench_val_kl(config, conditions, source, target) -> dict[str, dict[str, np.n
     from infra.samples import build_samples
     from translators.continuation import kl_per_position, teacher_logits
 
-    corpus = load_conversations("embedded", limit=config.limit, seed=10_000 + config.seed)
+    # Held-out conversations (a seed far from training's); more are drawn than needed because short ones give
+    # no plain-text window for models without a chat template.
+    corpus = load_conversations("embedded", limit=4 * config.limit, seed=10_000 + config.seed)
     samples = build_samples(corpus, target.tokenizer, seed=config.seed, max_prefix_tokens=512, max_continuation_tokens=48,
-                            prefix_tokens=48, continuation_tokens=16)
+                            prefix_tokens=32, continuation_tokens=8)[: config.limit]
     scores: dict[str, list[float]] = {name: [] for name in conditions}
     with torch.no_grad():
         for s in samples:
