@@ -134,9 +134,14 @@ def fit(
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (default: a local Ray)")] = None,
     output_dir: Annotated[Path | None, typer.Option(help="artifact directory")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config; CLI options override it")] = None,
+    track: Annotated[bool, typer.Option("--track", help="run as the Prefect flow: benchmarks, MLflow run, registry")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
-    """Fit a translator SOURCE → TARGET: stage 1 (closed form) and, without --stage1-only, stage 2."""
+    """Fit a translator SOURCE → TARGET: stage 1 (closed form) and, without --stage1-only, stage 2.
+
+    With --track the fit runs as the `kvlingo-fit` Prefect flow: quick benchmarks, an MLflow run in the pair's
+    experiment, and registration as `<source>--<target>` (candidate; the best version becomes champion).
+    """
     from flows.fit import run_fit
     from infra.config import FitConfig, load_config
 
@@ -147,7 +152,14 @@ def fit(
     )
     try:
         cfg = load_config(FitConfig, config, overrides)
-        summary = run_fit(cfg)
+        if track:
+            from flows.pipeline import fit_flow
+            from registry.tracking import use_tracking_store
+
+            use_tracking_store()  # an unreachable tracking server fails here, before any compute
+            summary = fit_flow(cfg)
+        else:
+            summary = run_fit(cfg)
     except KvlingoError as err:
         _fail(err)
     if as_json:
@@ -384,6 +396,50 @@ def ui(
     except KvlingoError as err:
         _fail(err)
     raise typer.Exit(code)
+
+
+@app.command()
+def sweep(
+    source: Annotated[str, typer.Argument(help="source model")],
+    target: Annotated[str, typer.Argument(help="target model")],
+    centre_lr: Annotated[float, typer.Option(help="centre of the learning-rate window")] = 3e-3,
+    n_rates: Annotated[int, typer.Option(help="rates in the window, half a decade apart (odd)")] = 5,
+    seeds: Annotated[str, typer.Option(help="comma-separated seeds; the first selects the rate")] = "0",
+    steps: Annotated[int | None, typer.Option(help="stage-2 steps per cell")] = None,
+    one_direction: Annotated[bool, typer.Option("--one-direction", help="only SOURCE → TARGET")] = False,
+    config: Annotated[Path | None, typer.Option(help="YAML with FitConfig fields shared by every cell")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """Learning-rate sweep (App. E) as the `kvlingo-sweep` Prefect flow; re-running reuses finished cells."""
+    import yaml
+
+    from flows.pipeline import sweep_flow
+    from infra.config import FitConfig, load_config
+    from registry.tracking import use_tracking_store
+    from translators.lr_selection import initial_rates
+
+    try:
+        seed_list = [int(x) for x in seeds.split(",")]
+        base = yaml.safe_load(config.read_text()) if config else {}
+        if steps is not None:
+            base["steps"] = steps
+        load_config(FitConfig, None, {**base, "source": source, "target": target})  # validate before compute
+        initial_rates(centre_lr, n_rates)
+        use_tracking_store()
+        result = sweep_flow([(source, target)], both_directions=not one_direction, centre_lr=centre_lr,
+                            n_rates=n_rates, seeds=seed_list, base=base)
+    except ValueError:
+        _fail(KvlingoError(f"--seeds must be comma-separated integers, got {seeds!r}"))
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    for pair, cell in result.items():
+        table = Table("learning rate", "validation KL", title=f"{pair}: selected lr {cell['selected_lr']:.3g}")
+        for lr, kl in cell["val_kl_by_lr"].items():
+            table.add_row(lr, f"{kl:.4f}")
+        Console().print(table)
 
 
 def main() -> None:
