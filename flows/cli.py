@@ -287,6 +287,35 @@ def bench_step(
                   f"{_num(result['memory_ratio'])}×  [{result['memory_measure']}]")
 
 
+@bench_app.command("multiturn")
+def bench_multiturn(
+    model_a: Annotated[str, typer.Argument(help="model holding turns 1, 3, 5, …")],
+    model_b: Annotated[str, typer.Argument(help="model holding turns 2, 4, 6, …")],
+    stage: Annotated[str, typer.Option(help="which fitted translators: closed_form | distilled")] = "distilled",
+    fit_dir_ab: Annotated[Path | None, typer.Option(help="fit directory of A → B (default: the pair's run dir)")] = None,
+    fit_dir_ba: Annotated[Path | None, typer.Option(help="fit directory of B → A")] = None,
+    conversations: Annotated[int, typer.Option(help="held-out conversations")] = 8,
+    turns: Annotated[int, typer.Option(help="alternating turns per conversation")] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """Alternating hand-offs: per-turn recall under re-prefill, segment-wise and naive translation."""
+    from flows.multiturn import run_multiturn
+
+    try:
+        result = run_multiturn(model_a, model_b, stage=stage, fit_dir_ab=fit_dir_ab, fit_dir_ba=fit_dir_ba,
+                               n_conversations=conversations, turns=turns)
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    table = Table("mode", *[f"turn {t + 1}" for t in range(result["turns"])], "mean", "max translations of a span",
+                  title=f"recall per turn, {result['model_a']} ⇄ {result['model_b']} ({result['stage']})")
+    for mode, row in result["modes"].items():
+        table.add_row(mode, *[f"{x:.2f}" for x in row["per_turn"]], f"{row['mean']:.2f}", str(row["max_times_a_span_was_translated"]))
+    Console().print(table)
+
+
 def _print_speed(result: dict) -> None:
     table = Table("n", "switch (s)", "translate (s)", "step (s)", "re-prefill (s)", "speed-up", "FLOP ratio",
                   "peak MB switch / prefill", "decode tok/s switch / native",
