@@ -19,16 +19,17 @@ _COMMON = dict(
 )
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, **overrides):
+    common = {**_COMMON, **overrides}
     if family == "llama":
-        return LlamaConfig(**_COMMON, num_hidden_layers=3, num_key_value_heads=2)
+        return LlamaConfig(**common, num_hidden_layers=3, num_key_value_heads=2)
     if family == "qwen3":
-        return Qwen3Config(**_COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16)
+        return Qwen3Config(**common, num_hidden_layers=3, num_key_value_heads=2, head_dim=16)
     if family == "mistral":
-        return MistralConfig(**_COMMON, num_hidden_layers=2, num_key_value_heads=2, sliding_window=None)
+        return MistralConfig(**common, num_hidden_layers=2, num_key_value_heads=2, sliding_window=None)
     if family == "gemma3":
         return Gemma3TextConfig(
-            **_COMMON,
+            **common,
             num_hidden_layers=4,
             num_key_value_heads=1,
             head_dim=16,
@@ -42,9 +43,9 @@ def tiny_config(family: str):
 FAMILIES = ("llama", "qwen3", "mistral", "gemma3")
 
 
-def tiny_model(family: str, seed: int = 0):
+def tiny_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)
     model.eval().requires_grad_(False)
     return model
 
@@ -60,9 +61,9 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>")
 
 
-def save_tiny_model_dir(family: str, path, seed: int = 0):
+def save_tiny_model_dir(family: str, path, seed: int = 0, **overrides):
     """Write a tiny random-init model plus tokenizer as a local HF directory; returns the path."""
-    tiny_model(family, seed).save_pretrained(path)
+    tiny_model(family, seed, **overrides).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 
