@@ -43,14 +43,9 @@ def preflight(config: SpeedBenchConfig) -> None:
     Raises:
         ConfigError: listing all problems.
     """
-    from infra.zoo import resolve_model
+    from infra.zoo import pair_problems
 
-    problems = []
-    for role in ("source", "target"):
-        try:
-            resolve_model(getattr(config, role))
-        except ConfigError as err:
-            problems.append(f"{role}: {err}")
+    problems = pair_problems(config.source, config.target)
     if config.translator is not None and not (config.translator / "manifest.json").is_file():
         problems.append(f"translator: {config.translator} is not a translator artifact (no manifest.json)")
     if problems:

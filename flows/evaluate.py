@@ -68,14 +68,9 @@ def preflight(config: EvalConfig) -> None:
         ConfigError: every problem at once (unknown benchmark with suggestions; a missing data file with where it
         looked and how to get it; judge settings missing).
     """
-    from infra.zoo import resolve_model
+    from infra.zoo import pair_problems
 
-    problems = []
-    for role in ("source", "target"):
-        try:
-            resolve_model(getattr(config, role))
-        except ConfigError as err:
-            problems.append(f"{role}: {err}")
+    problems = pair_problems(config.source, config.target)
     for name in config.selected():
         if name not in FULL:
             close = difflib.get_close_matches(name, FULL, n=2, cutoff=0.4)

@@ -30,15 +30,10 @@ def preflight(config: FitConfig) -> None:
         ConfigError: listing all problems found.
     """
     from infra.conversations import check_source
-    from infra.zoo import resolve_model
+    from infra.zoo import pair_problems
     from translators.assignment import check_assignment_name
 
-    problems = []
-    for role in ("source", "target"):
-        try:
-            resolve_model(getattr(config, role))
-        except ConfigError as err:
-            problems.append(f"{role}: {err}")
+    problems = pair_problems(config.source, config.target)
     try:
         check_assignment_name(config.assignment)
     except ConfigError as err:

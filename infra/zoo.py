@@ -310,3 +310,14 @@ def model_signature(loaded: LoadedModel) -> dict[str, Any]:
         "tokenizer_sha256": loaded.identity["tokenizer_sha256"],
         "layout": loaded.layout.signature(),
     }
+
+
+def pair_problems(source: str, target: str) -> list[str]:
+    """Name problems of a (source, target) pair, as preflight messages (empty when both resolve)."""
+    problems = []
+    for role, name in (("source", source), ("target", target)):
+        try:
+            resolve_model(name)
+        except ConfigError as err:
+            problems.append(f"{role}: {err}")
+    return problems
