@@ -1,0 +1,62 @@
+"""The README's main job on the embedded pair, then what users do with its results: report, registry, reload."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def demo_home(tmp_path_factory):
+    """A fresh tracking store and runs dir; the embedded models come from the default cache (built once)."""
+    from infra.settings import kvlingo_home
+    from infra.tiny_models import ensure_tiny_model
+
+    for name in ("kvlingo-tiny-s", "kvlingo-tiny-l"):
+        ensure_tiny_model(name)
+    home = tmp_path_factory.mktemp("demo-home")
+    (home / "models").symlink_to(kvlingo_home() / "models", target_is_directory=True)
+    env = {**os.environ, "KVLINGO_HOME": str(home)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "demo", "--steps", "6", "--eval-limit", "2", "--json"],
+                          capture_output=True, text=True, timeout=3000, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return home, env, json.loads(proc.stdout)
+
+
+def test_report_lists_both_directions_and_stages(demo_home):
+    home, env, _ = demo_home
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "report", "--json"], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout)["runs"]
+    seen = {(r["source"], r["target"], r["stage"]) for r in runs}
+    for pair in (("kvlingo-tiny-l", "kvlingo-tiny-s"), ("kvlingo-tiny-s", "kvlingo-tiny-l")):
+        assert (*pair, "closed_form") in seen and (*pair, "distilled") in seen
+    assert all(isinstance(r["val_kl"], float) and r["run_id"] for r in runs)
+
+
+def test_champions_reload_and_reproduce_their_logged_kl(demo_home, monkeypatch):
+    home, env, result = demo_home
+    monkeypatch.setenv("KVLINGO_HOME", str(home))
+    from flows.fit import plan_fit
+    from infra.config import FitConfig
+    from infra.zoo import load_model, model_signature
+    from registry.tracking import load_translator_uri
+    from translators.stage1 import validation_kl
+
+    for fit in result["fits"]:
+        source, target = load_model(fit["source"]), load_model(fit["target"])
+        uri = f"models:/{fit['source']}--{fit['target']}@champion"
+        translator, manifest = load_translator_uri(uri, model_signature(source), model_signature(target))
+        config = FitConfig(**yaml.safe_load((Path(fit["run_dir"]) / "config.yaml").read_text()))
+        plan = plan_fit(config)
+        src, tgt = plan.sides
+        kl = validation_kl(src, tgt, plan.val_pairs, translator).mean
+        assert kl == pytest.approx(manifest["fit"]["val_kl"][manifest["fit"]["stage"]], rel=1e-5, abs=1e-7)
