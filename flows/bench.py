@@ -139,7 +139,8 @@ def _quick_closed_form(config: SpeedBenchConfig, source, target):
     windows = text_ids.view(FIT_SAMPLES, FIT_WINDOW)
     src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
     candidates = candidate_layers(source.layout, target.layout, "depth", 1)
-    stats = accumulate_pair(empty_stats(source.layout, target.layout, candidates), src, tgt, windows, config.point)
+    stats = accumulate_pair(empty_stats(source.layout, target.layout, candidates), src, tgt,
+                           [(w, w[-1:]) for w in windows], config.point)
     assignment = assign_layers(stats, source.layout, target.layout, "depth", 1)
     # A small ridge: a thousand tokens may not span the cache width.
     return solve_translator(stats, assignment, source.layout, target.layout, config.point, ridge=1e-3)

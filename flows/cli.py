@@ -124,6 +124,7 @@ def fit(
     point: Annotated[str | None, typer.Option(help="capture point: pre_norm | post_norm | post_rope")] = None,
     ridge: Annotated[float | None, typer.Option(help="ridge λ relative to the mean diagonal (0: pseudo-inverse)")] = None,
     head_wise: Annotated[bool | None, typer.Option("--head-wise/--head-mixing", help="block-diagonal maps")] = None,
+    weighting: Annotated[str | None, typer.Option(help="stage-1 norm: uniform | attention (App. O)")] = None,
     data: Annotated[str | None, typer.Option(help="'embedded[:N]', a local json/jsonl file or a HF dataset id")] = None,
     n_train: Annotated[int | None, typer.Option(help="training samples")] = None,
     n_val: Annotated[int | None, typer.Option(help="held-out validation samples")] = None,
@@ -147,7 +148,7 @@ def fit(
 
     overrides = dict(
         source=source, target=target, stage1_only=stage1_only or None, assignment=assignment, nu=nu, point=point,
-        ridge=ridge, head_wise=head_wise, data=data, n_train=n_train, n_val=n_val, seed=seed, output_dir=output_dir,
+        ridge=ridge, head_wise=head_wise, weighting=weighting, data=data, n_train=n_train, n_val=n_val, seed=seed, output_dir=output_dir,
         steps=steps, lr=lr, workers=workers, ray_address=ray_address,
     )
     try:

@@ -120,9 +120,12 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
 def stats_key(plan: FitPlan, samples: list) -> str:
     """Content address of the statistics of `samples` for this pair, point and candidate set."""
     h = hashlib.sha256()
-    h.update(json.dumps([plan.signatures, plan.config.point, sorted(plan.candidates.items())], sort_keys=True, default=str).encode())
+    setup = [plan.signatures, plan.config.point, plan.config.weighting, sorted(plan.candidates.items())]
+    h.update(json.dumps(setup, sort_keys=True, default=str).encode())
     for sample in samples:
         h.update(sample.prefix_ids.numpy().tobytes())
+        if plan.config.weighting == "attention":  # the weights depend on the continuation too
+            h.update(b"+" + sample.continuation_ids.numpy().tobytes())
         h.update(b"|")
     return h.hexdigest()[:24]
 
@@ -138,7 +141,8 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
     src, tgt = plan.sides
     stats = empty_stats(plan.source.layout, plan.target.layout, plan.candidates)
     task = progress.add_task(description, total=len(samples)) if progress else None
-    accumulate_pair(stats, src, tgt, (s.prefix_ids for s in samples), plan.config.point,
+    accumulate_pair(stats, src, tgt, ((s.prefix_ids, s.continuation_ids) for s in samples), plan.config.point,
+                    weighting=plan.config.weighting,
                     on_sample=(lambda _n: progress.advance(task)) if progress else None)
     tmp = store.with_name(store.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,9 @@ class FitConfig(BaseModel):
     nu: int = Field(1, ge=1, description="source layers read per target layer")
     ridge: float = Field(0.0, ge=0.0, description="0: eigen pseudo-inverse; >0: ridge λ relative to the mean diagonal")
     head_wise: bool = False
+    weighting: Literal["uniform", "attention"] = Field(
+        "uniform", description="stage-1 norm: uniform (Frobenius) or App. O's attention-weighted norm"
+    )
     stage1_only: bool = False
     # Stage 2 (self-distillation); the learning rate is the one tuned knob (see `kvlingo sweep`).
     steps: int = Field(60, ge=1, description="stage-2 optimizer steps")

@@ -51,28 +51,59 @@ def empty_stats(source: CacheLayout, target: CacheLayout, candidates: dict[int, 
     return {side: GramStats.empty(side, candidates, source.kv_width, target.kv_width) for side in SIDES}
 
 
+WEIGHTINGS = ("uniform", "attention")
+
+
+def attention_weights(target: Side, prefix_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
+    """App. O's weights ā_i: the attention prefix position i receives from the continuation's queries, averaged
+    over heads and queries (eq. 3.4) and, since one weight vector serves every layer's statistics, over layers.
+
+    The target reads x_{1:n} y_{1:m-1}; the queries are the m positions that predict y. Returns [n] ≥ 0, each
+    entry ≤ 1 and their sum ≤ 1 (the rest of the attention goes to continuation positions).
+    """
+    ids = torch.cat([prefix_ids, continuation_ids[:-1]]).view(1, -1).to(target.model.device)
+    n, m = prefix_ids.numel(), continuation_ids.numel()
+    previous = target.model.config._attn_implementation
+    target.model.set_attn_implementation("eager")  # fused kernels do not return attention probabilities
+    try:
+        with torch.no_grad():
+            attentions = target.model(input_ids=ids, use_cache=False, output_attentions=True, logits_to_keep=1).attentions
+    finally:
+        target.model.set_attn_implementation(previous)
+    # Each: [1, heads, n+m-1, n+m-1]; rows n-1.. are the queries predicting y_1..y_m, columns :n the prefix.
+    per_layer = [a[0, :, n - 1 : n - 1 + m, :n].float().mean(dim=(0, 1)) for a in attentions]
+    return torch.stack(per_layer).mean(0).cpu()
+
+
 def accumulate_pair(
     stats: dict[str, GramStats],
     source: Side,
     target: Side,
-    prefixes: Iterable[torch.Tensor],
+    samples: Iterable[tuple[torch.Tensor, torch.Tensor]],
     point: str,
     *,
+    weighting: str = "uniform",
     on_sample: Callable[[int], None] | None = None,
 ) -> dict[str, GramStats]:
-    """Add the paired captures of each prefix ([n] token ids, same tokenizer) to `stats` (in place).
+    """Add the paired captures of each sample's prefix ([n] token ids, same tokenizer) to `stats` (in place).
+
+    weighting: "uniform" (the Frobenius fit of eq. 3.2) or "attention" (App. O's attention-weighted norm; the
+    continuation is read only to weight the prefix positions).
 
     Raises:
-        NonFiniteError: a capture holds NaN/Inf (the message names model and layer).
+        ConfigError: unknown weighting. NonFiniteError: a capture holds NaN/Inf (model and layer named).
     """
+    if weighting not in WEIGHTINGS:
+        raise ConfigError(f"unknown weighting {weighting!r}; choose from {', '.join(WEIGHTINGS)}")
     with torch.no_grad():
-        for prefix in prefixes:
+        for prefix, continuation in samples:
             src = capture(source.model, source.layout, prefix, point)
             tgt = capture(target.model, target.layout, prefix, point)
             src.check_finite("source")
             tgt.check_finite("target")
-            stats["keys"].accumulate(src.keys, tgt.keys)
-            stats["values"].accumulate(src.values, tgt.values)
+            weights = attention_weights(target, prefix, continuation) if weighting == "attention" else None
+            stats["keys"].accumulate(src.keys, tgt.keys, weights)
+            stats["values"].accumulate(src.values, tgt.values, weights)
             if on_sample:
                 on_sample(prefix.numel())
     return stats

@@ -35,13 +35,14 @@ def test_self_translation_recovers_identity_and_native_predictions(qwen, method)
     # A model translated into itself: the exact answer is the identity on the counterpart layer, and decoding
     # from the translated cache must then reproduce the native prefill (KL ≈ 0) — an independent reference.
     candidates = candidate_layers(qwen.layout, qwen.layout, method, 1)
-    stats = accumulate_pair(empty_stats(qwen.layout, qwen.layout, candidates), qwen, qwen, prefixes(12), "pre_norm")
+    train = [(p, p[-3:]) for p in prefixes(12)]
+    stats = accumulate_pair(empty_stats(qwen.layout, qwen.layout, candidates), qwen, qwen, train, "pre_norm")
     assignment = assign_layers(stats, qwen.layout, qwen.layout, method, 1)
     assert all(assignment[side][t] == (t,) for side in ("keys", "values") for t in range(3))
     translator = solve_translator(stats, assignment, qwen.layout, qwen.layout, "pre_norm")
     torch.testing.assert_close(translator.weight("keys", 1), torch.eye(32), atol=1e-4, rtol=0)
     val = [(p, c) for p, c in zip(prefixes(3, seed=1), prefixes(3, length=6, seed=2))]
-    val_stats = accumulate_pair(empty_stats(qwen.layout, qwen.layout, candidates), qwen, qwen, [p for p, _ in val], "pre_norm")
+    val_stats = accumulate_pair(empty_stats(qwen.layout, qwen.layout, candidates), qwen, qwen, val, "pre_norm")
     r2 = heldout_r2(val_stats, translator)
     assert min(r2["keys"] + r2["values"]) > 0.9999
     kl = validation_kl(qwen, qwen, val, translator)
@@ -76,4 +77,34 @@ def test_nan_in_capture_names_model_and_layer(qwen):
         model.get_decoder().layers[1].self_attn.v_proj.weight[0, 0] = float("nan")
     stats = empty_stats(layout, layout, candidate_layers(layout, layout, "depth", 1))
     with pytest.raises(NonFiniteError, match="source: NaN/Inf in layer 1 values"):
-        accumulate_pair(stats, bad, bad, prefixes(1), "pre_norm")
+        accumulate_pair(stats, bad, bad, [(p, p[-2:]) for p in prefixes(1)], "pre_norm")
+
+
+def test_attention_weights_follow_app_o(qwen):
+    from translators.stage1 import attention_weights
+
+    prefix, continuation = prefixes(1, length=20)[0], prefixes(1, length=6, seed=3)[0]
+    w = attention_weights(qwen, prefix, continuation)
+    assert w.shape == (20,) and (w >= 0).all() and w.sum() <= 1 + 1e-5
+    # Reference: the model's own attention probabilities, averaged over layers, heads and the m query rows.
+    qwen.model.set_attn_implementation("eager")
+    ids = torch.cat([prefix, continuation[:-1]]).view(1, -1)
+    att = qwen.model(input_ids=ids, output_attentions=True).attentions
+    qwen.model.set_attn_implementation("sdpa")
+    ref = torch.stack([a[0, :, 19:25, :20].mean(dim=(0, 1)) for a in att]).mean(0)
+    torch.testing.assert_close(w, ref)
+    assert qwen.model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_attention_weighted_fit_of_an_exact_map_is_still_exact(qwen):
+    # Weighting changes the norm, not the minimiser when the map is exact: self-translation stays the identity.
+    candidates = candidate_layers(qwen.layout, qwen.layout, "depth", 1)
+    train = [(p, p[-4:]) for p in prefixes(10)]
+    stats = accumulate_pair(empty_stats(qwen.layout, qwen.layout, candidates), qwen, qwen, train, "pre_norm",
+                            weighting="attention")
+    assert stats["keys"].weight_sum < stats["keys"].n_tokens  # real weights, not ones
+    translator = solve_translator(stats, assign_layers(stats, qwen.layout, qwen.layout, "depth", 1), qwen.layout,
+                                  qwen.layout, "pre_norm", ridge=1e-9)
+    torch.testing.assert_close(translator.weight("values", 0), torch.eye(32), atol=1e-3, rtol=0)
+    with pytest.raises(ConfigError, match="unknown weighting"):
+        accumulate_pair(stats, qwen, qwen, train, "pre_norm", weighting="attn")
