@@ -189,6 +189,9 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         "n_train": len(plan.train),
         "n_val": len(plan.val),
         "train_tokens": stats["keys"].n_tokens,
+        # Fixed by the pair and candidate set, not by the data: the statistics hold sums, never design matrices.
+        "stats_mb": sum(t.numel() * t.element_size() for side in SIDES
+                        for part in (stats[side].xx, stats[side].xy, stats[side].yy) for t in part.values()) / 2**20,
         "artifact": str(plan.out / "closed_form"),
         "artifacts": {"closed_form": str(plan.out / "closed_form")},
         "run_dir": str(plan.out),

@@ -107,8 +107,8 @@ def test_ui_lists_the_run_and_model_and_screenshots_show_them(kvlingo_home, monk
     assert not group_alive(pgid), "the UI server's process group survived the context manager"
     for png in shots.values():
         assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > MIN_PNG_BYTES, (png, png.stat().st_size)
-    if os.environ.get("KVLINGO_TEST_ARTIFACTS"):
-        keep = Path(os.environ["KVLINGO_TEST_ARTIFACTS"])
-        keep.mkdir(parents=True, exist_ok=True)
-        for png in shots.values():
-            shutil.copy(png, keep / png.name)
+    # Kept as test artifacts: $KVLINGO_TEST_ARTIFACTS, else test-artifacts/ in the checkout (git-ignored).
+    keep = Path(os.environ.get("KVLINGO_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
+    keep.mkdir(parents=True, exist_ok=True)
+    for png in shots.values():
+        shutil.copy(png, keep / png.name)
