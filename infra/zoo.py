@@ -174,7 +174,7 @@ def _materialise(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
 
         directory = ensure_tiny_model(spec.location)
         build = json.loads((directory / "kvlingo_build.json").read_text())
-        return str(directory), {"source": "embedded", "name": spec.name, "recipe_sha256": build["recipe_sha256"]}
+        return str(directory), {"source": "embedded", "name": spec.name, "recipe_hash": build["recipe_hash"]}
     if spec.source == "gguf_package":
         return _converted_gguf(spec)
     if spec.source == "hub":
