@@ -177,7 +177,7 @@ def fit(
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option(help="stage-2 steps per direction")] = 30,
+    steps: Annotated[int, typer.Option(help="stage-2 steps per direction")] = 60,
     eval_limit: Annotated[int, typer.Option(help="items per benchmark")] = 6,
     data_dir: Annotated[Path | None, typer.Option(help="also run the local-file benchmarks from this folder")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,

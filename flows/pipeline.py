@@ -146,7 +146,7 @@ def benchmark_flow(config: EvalConfig) -> dict[str, Any]:
 
 
 @flow(name="kvlingo-demo")
-def demo_flow(steps: int = 30, n_train: int = 96, n_val: int = 16, eval_limit: int = 6,
+def demo_flow(steps: int = 60, n_train: int = 600, n_val: int = 24, eval_limit: int = 6,
               data_dir: Path | None = None, pair: tuple[str, str] = ("kvlingo-tiny-l", "kvlingo-tiny-s")) -> dict[str, Any]:
     """The README's main job: the embedded pair in both directions, tracked, registered, summarised."""
     from infra.settings import kvlingo_home
@@ -154,7 +154,8 @@ def demo_flow(steps: int = 30, n_train: int = 96, n_val: int = 16, eval_limit: i
 
     fits = []
     for source, target in (pair, pair[::-1]):
-        config = FitConfig(source=source, target=target, steps=steps, n_train=n_train, n_val=n_val, lr=3e-3,
+        # 600 conversations: with fewer, stage 2 starts to overfit the maps within 60 steps on this pair.
+        config = FitConfig(source=source, target=target, data="embedded:1000", steps=steps, n_train=n_train, n_val=n_val, lr=3e-3,
                            eval_every=max(1, steps // 3), checkpoint_every=max(1, steps // 3),
                            output_dir=kvlingo_home() / "runs" / "demo" / f"{source}--{target}")
         fits.append(fit_flow(config, eval_limit=eval_limit, data_dir=data_dir, ruler_lengths=[128, 256]))
