@@ -8,26 +8,36 @@ user/assistant exchanges. It is built from *topics*, each of one kind:
 * ``qa``     -- a short paragraph about a fictional place or person, then span questions.
 
 Values (names, numbers, codes) are drawn at random per conversation, so an answer can only be
-read from the context, never memorised. The corpus lives entirely in the word lists below: no
+read from the context, never memorised. Every value in a statement is directly followed by
+punctuation, as in the answer ("Biscuit." / "called Biscuit,"), so that with the tiny models'
+tokenizer (spaces attach to the *preceding* word) a value has the same tokens in both places. The corpus lives entirely in the word lists below: no
 data files, no network.
 
 Seeds. Each conversation has its own *item seed* derived from ``(stream, seed, index)`` by
-:func:`item_seed`: the stream bit (0 for training, 1 for held-out) occupies bit 32 and the caller's
-seed the bits above it, so training and held-out item seeds are disjoint for *any* pair of user
-seeds. :func:`generate_conversations` draws from the training stream and :func:`recall_items`
-from the held-out stream.
+:func:`item_seed`: the stream (0 training, 1 held-out, 2 repeat drills) occupies bits 32-33 and
+the caller's seed the bits above, so training and held-out item seeds are disjoint for *any* pair
+of user seeds. :func:`generate_conversations` draws from the training stream, :func:`recall_items`
+from the held-out stream and :func:`generate_repeat_drills` from the drill stream.
+
+Besides the three kinds, :func:`generate_repeat_drills` makes short "Repeat after me" exchanges
+(training only, never evaluated): verbatim copying over a short context is what makes tiny models
+grow induction heads quickly, and every retrieval kind above builds on that ability.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 KINDS = ("fact", "needle", "qa")
 
 TRAIN_STREAM = 0
 HELDOUT_STREAM = 1
+DRILL_STREAM = 2
+_STREAMS = (TRAIN_STREAM, HELDOUT_STREAM, DRILL_STREAM)
 _INDEX_BITS = 32
+_STREAM_BITS = 2
 
 # --- Embedded word lists ------------------------------------------------------------------------
 
@@ -111,6 +121,12 @@ SMALL_TALK = (
 ACKS = ("Got it.", "Noted.", "Okay, I will remember that.", "Thanks for telling me.",
         "Understood.", "I have noted that.")
 READ_ACKS = ("I have read it.", "Okay, I read the text.", "Done, ask me anything about it.")
+ECHO_PREFIXES = ("To confirm:", "Let me repeat that:", "Noted:")
+# Share of statements the assistant acknowledges by repeating them verbatim. Verbatim repeats are
+# dense copy-from-context events; they teach tiny models induction-style copying far faster than
+# the sparse question/answer events alone.
+ECHO_RATE = 0.5
+DRILL_ITEMS = (3, 8)  # items per repeat drill
 
 AGE_RANGE = (2, 15)
 FLAT_RANGE = (10, 99)
@@ -150,14 +166,18 @@ class _Topic:
 
 
 def item_seed(stream: int, seed: int, index: int) -> int:
-    """The per-conversation seed: stream bit 32, user seed above it, index below (disjoint streams)."""
-    if stream not in (TRAIN_STREAM, HELDOUT_STREAM):
+    """The per-conversation seed: stream in bits 32-33, user seed above, index below.
+
+    Distinct ``(stream, seed, index)`` triples always give distinct seeds, so the streams never
+    share an item seed whatever seeds the callers pick.
+    """
+    if stream not in _STREAMS:
         raise ValueError(f"unknown stream {stream!r}")
     if not 0 <= index < 2**_INDEX_BITS:
         raise ValueError(f"index {index} out of range")
     if seed < 0:
         raise ValueError(f"seed must be non-negative, got {seed}")
-    return (seed << (_INDEX_BITS + 1)) | (stream << _INDEX_BITS) | index
+    return (seed << (_INDEX_BITS + _STREAM_BITS)) | (stream << _INDEX_BITS) | index
 
 
 # --- Topic builders -----------------------------------------------------------------------------
@@ -175,7 +195,8 @@ def _fact_topic(rng: random.Random) -> _Topic:
         sentences.extend(said)
         questions.extend(asked)
     rng.shuffle(sentences)
-    return _Topic("fact", " ".join(sentences), rng.choice(ACKS), questions)
+    text = " ".join(sentences)
+    return _Topic("fact", text, _ack(rng, ACKS, text), questions)
 
 
 def _pet_facts(rng: random.Random) -> tuple[list[str], list[tuple[str, str]]]:
@@ -186,7 +207,7 @@ def _pet_facts(rng: random.Random) -> tuple[list[str], list[tuple[str, str]]]:
     for kind, name in zip(kinds, names):
         age = str(rng.randint(*AGE_RANGE))
         pron = rng.choice(("she", "he"))
-        said.append(f"My {kind} is called {name} and {pron} is {age}.")
+        said.append(f"My {kind} is called {name}, and {pron} is {age}.")
         asked.append((f"What is my {kind} called?", name))
         asked.append((f"How old is my {kind}?", age))
     return said, asked
@@ -199,7 +220,7 @@ def _relative_facts(rng: random.Random) -> tuple[list[str], list[tuple[str, str]
     cities = rng.sample(CITIES, len(relations))
     said, asked = [], []
     for relation, person, city in zip(relations, people, cities):
-        said.append(f"My {relation} {person} lives in {city}.")
+        said.append(f"My {relation} is {person}, who lives in {city}.")
         asked.append((f"Where does my {relation} live?", city))
         asked.append((f"What is my {relation}'s name?", person))
     return said, asked
@@ -228,7 +249,7 @@ def _job_fact(rng: random.Random) -> tuple[list[str], list[tuple[str, str]]]:
 def _music_facts(rng: random.Random) -> tuple[list[str], list[tuple[str, str]]]:
     """An instrument and the day it is practised."""
     instrument, day = rng.choice(INSTRUMENTS), rng.choice(DAYS)
-    said = [f"I play the {instrument} every {day}."]
+    said = [f"Every {day}, I play the {instrument}."]
     asked = [("What instrument do I play?", instrument), ("On which day do I play music?", day)]
     return said, asked
 
@@ -253,7 +274,8 @@ def _needle_topic(rng: random.Random) -> _Topic:
     lines = [f"The code for {key} is {code}." for key, code in zip(keys, codes)]
     opener = rng.choice(("Remember:", "Please remember these codes.", "Keep these safe."))
     questions = [(f"What is the code for {key}?", code) for key, code in zip(keys, codes)]
-    return _Topic("needle", f"{opener} " + " ".join(lines), rng.choice(ACKS), questions)
+    text = " ".join(lines)
+    return _Topic("needle", f"{opener} {text}", _ack(rng, ACKS, text), questions)
 
 
 def _qa_topic(rng: random.Random) -> _Topic:
@@ -261,7 +283,7 @@ def _qa_topic(rng: random.Random) -> _Topic:
     build = _town_paragraph if rng.random() < 0.5 else _person_paragraph
     paragraph, questions = build(rng)
     intro = rng.choice(("Read this:", "Here is a short text.", "Please read the following."))
-    return _Topic("qa", f"{intro} {paragraph}", rng.choice(READ_ACKS), questions)
+    return _Topic("qa", f"{intro} {paragraph}", _ack(rng, READ_ACKS, paragraph), questions)
 
 
 def _town_paragraph(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
@@ -269,8 +291,8 @@ def _town_paragraph(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
     town, river, product = rng.choice(TOWNS), rng.choice(RIVERS), rng.choice(PRODUCTS)
     founder = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
     year = str(rng.randint(*YEAR_RANGE))
-    text = (f"{town} is a small town on the {river} river. It was founded by {founder} in "
-            f"{year}. Today the town is known for its {product}.")
+    text = (f"{town} is a small town on the river {river}. In {year}, it was founded by "
+            f"{founder}. Today the town is known for its {product}.")
     questions = [
         (f"Which river is {town} on?", river),
         (f"Who founded {town}?", founder),
@@ -285,9 +307,9 @@ def _person_paragraph(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
     first, last = rng.choice(FIRST_NAMES), rng.choice(LAST_NAMES)
     job, town, instrument = rng.choice(JOBS), rng.choice(TOWNS), rng.choice(INSTRUMENTS)
     kind, pet = rng.choice(PET_KINDS), rng.choice(PET_NAMES)
-    pron, poss = rng.choice((("She", "her"), ("He", "his")))
-    text = (f"{first} {last} is a {job} who lives in {town}. {pron} plays the {instrument} "
-            f"and walks {poss} {kind} {pet} every evening.")
+    pron = rng.choice(("She", "He"))
+    text = (f"{first} {last} works as a {job}, and lives in {town}. {pron} plays the "
+            f"{instrument}, and has a {kind} called {pet}.")
     questions = [
         (f"Where does {first} live?", town),
         (f"What is {first}'s job?", job),
@@ -295,6 +317,13 @@ def _person_paragraph(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
         (f"What is the name of {first}'s {kind}?", pet),
     ]
     return text, questions
+
+
+def _ack(rng: random.Random, plain: Sequence[str], echoed: str) -> str:
+    """The assistant's acknowledgement: a stock phrase, or a verbatim repeat of ``echoed``."""
+    if rng.random() < ECHO_RATE:
+        return f"{rng.choice(ECHO_PREFIXES)} {echoed}"
+    return rng.choice(plain)
 
 
 _TOPIC_BUILDERS = {"fact": _fact_topic, "needle": _needle_topic, "qa": _qa_topic}
@@ -395,3 +424,22 @@ def answer_chance(answer: str) -> float:
     if first in FIRST_NAMES and last in LAST_NAMES:
         sizes.append(len(FIRST_NAMES) * len(LAST_NAMES))
     return 1.0 / min(sizes) if sizes else 1.0
+
+
+def _drill_token(rng: random.Random) -> str:
+    """One random item to repeat: a word from the corpus pools, or a short number."""
+    if rng.random() < 0.3:
+        return str(rng.randint(0, 9999))
+    pool = rng.choice(list(_WORD_POOLS.values()) + [NEEDLE_KEYS, PET_KINDS, RELATIONS])
+    return rng.choice(pool)
+
+
+def generate_repeat_drills(n: int, seed: int) -> list[list[dict]]:
+    """``n`` one-exchange "Repeat after me" conversations (drill stream) of 3-8 random items."""
+    _check_count(n)
+    out = []
+    for index in range(n):
+        rng = random.Random(item_seed(DRILL_STREAM, seed, index))
+        text = " ".join(_drill_token(rng) for _ in range(rng.randint(*DRILL_ITEMS)))
+        out.append([_msg("user", f"Repeat after me: {text}"), _msg("assistant", text)])
+    return out

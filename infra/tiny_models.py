@@ -28,7 +28,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from infra.settings import kvlingo_home
-from infra.synthetic_chat import KINDS, EvalItem, answer_chance, generate_conversations, recall_items
+from infra.synthetic_chat import (
+    KINDS,
+    EvalItem,
+    answer_chance,
+    generate_conversations,
+    generate_repeat_drills,
+    recall_items,
+)
 from translators.errors import ConfigError
 
 # Bump when the training code or the corpus generator changes behaviour: it invalidates caches.
@@ -51,8 +58,10 @@ CHAT_TEMPLATE = (
 
 CORPUS_SEED = 0  # training stream of infra.synthetic_chat; both models see the same corpus
 HELDOUT_SEED = 0  # held-out stream (disjoint from training by construction of the item seeds)
+# Words and punctuation runs keep one trailing space; digit runs and other whitespace stand alone.
+PRETOKEN_PATTERN = r"\p{L}+ ?|\p{N}+|[^\s\p{L}\p{N}]+ ?|\s+"
 TOKENIZER_RECIPE = {"vocab_size": 2048, "corpus_conversations": 4000, "corpus_seed": CORPUS_SEED,
-                    "pretokenizer": "isolated-space+digits+bytelevel"}
+                    "pretokenizer": PRETOKEN_PATTERN}
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,11 @@ class TinyModelSpec:
     seed: int
     warmup_frac: float = 0.05
     weight_decay: float = 0.05
+    answer_weight: float = 1.0
+    context_weight: float = 0.25
+    drill_steps: int = 0
+    drill_batch_size: int = 16
+    drill_seq_len: int = 128
 
 
 TINY_MODELS: dict[str, TinyModelSpec] = {
@@ -106,9 +120,14 @@ def _hash(recipe: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def _corpus_fingerprint() -> str:
+    """Hash of a corpus sample, so that any change to the generator invalidates cached builds."""
+    return _hash({"sample": generate_conversations(200, CORPUS_SEED)})
+
+
 def _tokenizer_recipe() -> dict:
     """Everything that determines the shared tokenizer."""
-    return {"recipe_version": RECIPE_VERSION, **TOKENIZER_RECIPE}
+    return {"recipe_version": RECIPE_VERSION, "corpus": _corpus_fingerprint(), **TOKENIZER_RECIPE}
 
 
 def _model_recipe(name: str) -> dict:
@@ -170,24 +189,26 @@ def render_chat(messages: Sequence[dict], add_generation_prompt: bool = False) -
 def _train_tokenizer():
     """Train the byte-level BPE on rendered training conversations; returns a fast HF tokenizer.
 
-    Spaces are isolated into their own pre-token and digits split one by one, so a value is the
-    same token sequence wherever it appears (" Biscuit" mid-sentence vs "Biscuit." at the start of
-    an answer); that makes copying from context a plain induction task for the tiny models.
+    Pre-tokens attach a space to the *preceding* word ("called ", "Biscuit", ",") and numbers
+    never take a space, unlike GPT-2's leading spaces. A value then has the same tokens in the
+    context ("called Biscuit,") and at the start of an answer ("Biscuit."), and every word carries
+    its own separator, so copying from context is plain one-token induction for the tiny models.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(" ", behavior="isolated"),
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        pre_tokenizers.Split(Regex(PRETOKEN_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_RECIPE["vocab_size"], special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    conversations = generate_conversations(TOKENIZER_RECIPE["corpus_conversations"], CORPUS_SEED)
+    count = TOKENIZER_RECIPE["corpus_conversations"]
+    conversations = (generate_conversations(count, CORPUS_SEED)
+                     + generate_repeat_drills(count // 4, CORPUS_SEED))
     tokenizer.train_from_iterator([render_chat(c) + ENDOFTEXT for c in conversations], trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=None,
@@ -202,7 +223,14 @@ def _ensure_tokenizer(models_dir: Path) -> Path:
     recipe = _tokenizer_recipe()
     if _read_build_hash(final) == _hash(recipe):
         return final
-    return _atomic_build(final, recipe, lambda tmp: _train_tokenizer().save_pretrained(tmp) and None)
+    return _atomic_build(final, recipe, _write_tokenizer)
+
+
+def _write_tokenizer(out: Path) -> dict:
+    """Train the tokenizer and save it into ``out``; returns extra build-json fields."""
+    tokenizer = _train_tokenizer()
+    tokenizer.save_pretrained(out)
+    return {"vocab_size": len(tokenizer)}
 
 
 # --- Training -----------------------------------------------------------------------------------
@@ -222,38 +250,78 @@ def _qwen3_config(spec: TinyModelSpec, tokenizer):
         torch_dtype="float32")
 
 
-def _packed_rows(tokenizer, spec: TinyModelSpec):
-    """``steps * batch_size`` training rows of whole conversations packed into ``seq_len`` tokens.
+def _packed_rows(tokenizer, conversations: list[list[dict]], rows_needed: int, seq_len: int,
+                 spec: TinyModelSpec):
+    """``rows_needed`` rows of whole conversations packed into ``seq_len`` tokens each.
 
-    Returns (input_ids, position_ids, labels) int64 tensors. Positions restart at 0 for every
-    conversation, which makes transformers build a block-diagonal mask: a conversation never sees
-    another one, exactly as at evaluation. Padding carries label -100.
+    Returns (input_ids, position_ids, weights): int64 ids and positions, float32 per-token loss
+    weights of each token as a prediction target. Positions restart at 0 for every conversation,
+    which makes transformers build a block-diagonal mask: a conversation never sees another one,
+    exactly as at evaluation. Padding has weight 0; rows are reused cyclically if ever short.
     """
     import torch
 
-    rows_needed = spec.steps * spec.batch_size
-    # Rendered conversations average ~140 tokens; over-generate, then cycle if ever short.
-    conversations = generate_conversations(rows_needed * spec.seq_len // 110 + 64, CORPUS_SEED)
     texts = [render_chat(c) + ENDOFTEXT for c in conversations]
     encoded = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-    pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    ids_of = {t: tokenizer.convert_tokens_to_ids(t) for t in (*SPECIAL_TOKENS, "assistant")}
     rows, row = [], []
     for enc in encoded:
-        ids = enc.ids[: spec.seq_len]
-        if len(row) + len(ids) > spec.seq_len:
+        ids = enc.ids[:seq_len]
+        if len(row) + len(ids) > seq_len:
             rows.append(row)
             row = []
         row = row + ids
     rows.append(row)
-    input_ids = torch.full((rows_needed, spec.seq_len), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((rows_needed, spec.seq_len), dtype=torch.long)
-    labels = torch.full((rows_needed, spec.seq_len), -100, dtype=torch.long)
+    shape = (rows_needed, seq_len)
+    input_ids = torch.full(shape, ids_of[ENDOFTEXT], dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    weights = torch.zeros(shape, dtype=torch.float32)
     for r in range(rows_needed):
         ids = rows[r % len(rows)]
         input_ids[r, : len(ids)] = torch.tensor(ids)
-        labels[r, : len(ids)] = torch.tensor(ids)
-        position_ids[r] = _restart_positions(ids, pad_id, spec.seq_len)
-    return input_ids, position_ids, labels
+        position_ids[r] = _restart_positions(ids, ids_of[ENDOFTEXT], seq_len)
+        weights[r, : len(ids)] = _token_weights(ids, ids_of, spec)
+    return input_ids, position_ids, weights
+
+
+def _training_phases(tokenizer, spec: TinyModelSpec) -> list[tuple]:
+    """[(input_ids, position_ids, weights, batch_size, steps)]: repeat drills, then the chat corpus.
+
+    The short drills come first because induction-style copying forms several times faster over
+    short contexts; the chat phase then only has to learn *what* to copy.
+    """
+    phases = []
+    if spec.drill_steps:
+        rows = spec.drill_steps * spec.drill_batch_size
+        # A drill renders to ~35-55 tokens; over-generate so rows are never reused.
+        drills = generate_repeat_drills(rows * spec.drill_seq_len // 30 + 16, CORPUS_SEED)
+        phases.append((*_packed_rows(tokenizer, drills, rows, spec.drill_seq_len, spec),
+                       spec.drill_batch_size, spec.drill_steps))
+    rows = spec.steps * spec.batch_size
+    # Rendered conversations average ~175 tokens; over-generate so rows are never reused.
+    chats = generate_conversations(rows * spec.seq_len // 140 + 16, CORPUS_SEED)
+    phases.append((*_packed_rows(tokenizer, chats, rows, spec.seq_len, spec),
+                   spec.batch_size, spec.steps))
+    return phases
+
+
+def _token_weights(ids: list[int], ids_of: dict[str, int], spec: TinyModelSpec):
+    """Loss weight per token: ``answer_weight`` inside assistant turns, ``context_weight`` elsewhere.
+
+    User turns are mostly random values nobody can predict; their gradient noise would drown the
+    signal that teaches in-context retrieval, which lives in the assistant answers.
+    """
+    import torch
+
+    out, in_assistant = [], False
+    for i, token in enumerate(ids):
+        out.append(spec.answer_weight if in_assistant else spec.context_weight)
+        if token == ids_of[IM_END]:
+            in_assistant = False
+        # The token after `<|im_start|>assistant` is the newline; content starts after it.
+        elif i >= 2 and ids[i - 2] == ids_of[IM_START] and ids[i - 1] == ids_of["assistant"]:
+            in_assistant = True
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def _restart_positions(ids: list[int], eot_id: int, length: int):
@@ -268,12 +336,32 @@ def _restart_positions(ids: list[int], eot_id: int, length: int):
     return torch.tensor(positions, dtype=torch.long)
 
 
-def _lr_at(step: int, spec: TinyModelSpec) -> float:
+def _weighted_loss(model, input_ids, position_ids, weights):
+    """Weighted next-token cross-entropy of one packed batch."""
+    import torch
+
+    # use_cache=False: transformers only derives the packed block mask when no cache exists.
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
+    target_weights = weights[:, 1:].flatten()
+    return (losses * target_weights).sum() / target_weights.sum().clamp_min(1e-6)
+
+
+def _batches(phases: list[tuple]) -> Iterator[tuple]:
+    """(input_ids, position_ids, weights) per optimiser step, phase after phase."""
+    for input_ids, position_ids, weights, batch_size, steps in phases:
+        for step in range(steps):
+            batch = slice(step * batch_size, (step + 1) * batch_size)
+            yield input_ids[batch], position_ids[batch], weights[batch]
+
+
+def _lr_at(step: int, total: int, spec: TinyModelSpec) -> float:
     """Linear warm-up then cosine decay to 10% of the peak learning rate."""
-    warmup = max(1, int(spec.steps * spec.warmup_frac))
+    warmup = max(1, int(total * spec.warmup_frac))
     if step < warmup:
         return spec.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, spec.steps - warmup)
+    progress = (step - warmup) / max(1, total - warmup)
     return spec.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
@@ -310,19 +398,18 @@ def train_tiny_model(name: str, tokenizer, *, progress: bool = True, callback=No
 
     spec = _spec_for(name)
     torch.manual_seed(spec.seed)
-    input_ids, position_ids, labels = _packed_rows(tokenizer, spec)
+    phases = _training_phases(tokenizer, spec)
     model = Qwen3ForCausalLM(_qwen3_config(spec, tokenizer)).float()
     model.train()
     optimizer = _optimizer(model, spec)
+    total = sum(phase[-1] for phase in phases)
     recent: list[float] = []
-    bar, task = _progress_bar(progress, name, spec.steps)
+    bar, task = _progress_bar(progress, name, total)
     with bar:
-        for step in range(spec.steps):
-            batch = slice(step * spec.batch_size, (step + 1) * spec.batch_size)
+        for step, (ids, pos, weights) in enumerate(_batches(phases)):
             for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, spec)
-            loss = model(input_ids=input_ids[batch], position_ids=position_ids[batch],
-                         labels=labels[batch]).loss
+                group["lr"] = _lr_at(step, total, spec)
+            loss = _weighted_loss(model, ids, pos, weights)
             if not torch.isfinite(loss):
                 raise RuntimeError(f"{name}: non-finite training loss at step {step}")
             optimizer.zero_grad(set_to_none=True)
