@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,12 @@ from torch import nn
 from translators.errors import ConfigError, NonFiniteError, PrefixTooLongError
 from translators.layout import CacheLayout, decoder_of
 from translators.points import check_point, keys_to_point
+
+
+# Forward hooks are state on the (shared, frozen) model: a forward run by another thread while this capture's
+# hooks are registered would write into this capture. Captures therefore run one at a time per process
+# (torch already spreads each forward over the cores).
+_HOOKS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -74,16 +81,17 @@ def capture(model: nn.Module, layout: CacheLayout, input_ids: torch.Tensor, poin
 
         return hook
 
-    handles = []
-    for i, layer in enumerate(decoder_of(model).layers):
-        handles.append(layer.self_attn.k_proj.register_forward_hook(keep(raw_keys, i)))
-        handles.append(layer.self_attn.v_proj.register_forward_hook(keep(raw_values, i)))
-    try:
-        # logits_to_keep=1: only the hidden states matter here; full logits of a 262k vocabulary are costly.
-        model(input_ids=ids.to(model.device), use_cache=False, logits_to_keep=1)
-    finally:
-        for h in handles:
-            h.remove()
+    with _HOOKS_LOCK:
+        handles = []
+        for i, layer in enumerate(decoder_of(model).layers):
+            handles.append(layer.self_attn.k_proj.register_forward_hook(keep(raw_keys, i)))
+            handles.append(layer.self_attn.v_proj.register_forward_hook(keep(raw_values, i)))
+        try:
+            # logits_to_keep=1: only the hidden states matter here; full logits of a 262k vocabulary are costly.
+            model(input_ids=ids.to(model.device), use_cache=False, logits_to_keep=1)
+        finally:
+            for h in handles:
+                h.remove()
     positions = torch.arange(n)
     keys = [
         keys_to_point(model, layout, i, raw_keys[i], start="pre_norm", end=point, positions=positions)

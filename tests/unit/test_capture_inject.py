@@ -163,3 +163,17 @@ def test_capture_finiteness_check_names_the_layer():
 
     with pytest.raises(NonFiniteError, match="layer 2 values"):
         cap.check_finite("source")
+
+
+def test_concurrent_captures_on_one_model_do_not_mix():
+    # Prefect runs statistics shards in threads over one shared model; hooks must not leak across captures.
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny_model("qwen3")
+    layout = cache_layout(model)
+    prompts = [prompt(seed, n=10 + 3 * seed) for seed in range(6)]
+    sequential = [capture(model, layout, p) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(lambda p: capture(model, layout, p), prompts))
+    for a, b in zip(sequential, threaded):
+        assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
