@@ -23,6 +23,7 @@ from translators.continuation import student_logits
 from translators.errors import ConfigError
 from translators.inject import build_cache, decode_step
 from translators.stage1 import Side
+from translators.switch import check_translator_fits
 from translators.translator import Translator
 
 TARGET_NATIVE = "target_native"
@@ -68,10 +69,8 @@ class Condition:
             raise ConfigError(
                 "condition 'translated' needs the source side whose cache is translated (source=Side(...))"
             )
-        if self.translator is None:
-            _check_identity(self.source, self.decoder)
-        else:
-            _check_translator(self.translator, self.source, self.decoder)
+        # The identity (no translator) is only valid between copies of one model; a translator must fit both.
+        check_translator_fits(self.translator, self.source.layout, self.decoder.layout)
 
     @property
     def point(self) -> str:
@@ -100,34 +99,6 @@ def source_native(source: Side) -> Condition:
 def translated(source: Side, target: Side, translator: Translator | None = None) -> Condition:
     """The target decodes from the translated source cache (translator None: identity, same model only)."""
     return Condition(TRANSLATED, decoder=target, source=source, translator=translator)
-
-
-def _check_identity(source: Side, decoder: Side) -> None:
-    """Raises ConfigError unless the identity map is meaningful (source and decoder have equal layouts)."""
-    if source.layout != decoder.layout:
-        raise ConfigError(
-            "condition 'translated' without a translator uses the source cache unchanged, which is only valid when "
-            f"source and target are the same model; their cache layouts differ ({source.layout.family}, "
-            f"{source.layout.n_layers} layers vs {decoder.layout.family}, {decoder.layout.n_layers} layers): "
-            "pass the fitted Translator"
-        )
-
-
-def _check_translator(translator: Translator, source: Side, decoder: Side) -> None:
-    """Raises ConfigError when the translator's widths or depth do not match the pair."""
-    src, dec = source.layout, decoder.layout
-    problems = []
-    if translator.d_src != src.kv_width:
-        problems.append(f"its source width is {translator.d_src} but the source's K/V width is {src.kv_width}")
-    if translator.d_tgt != dec.kv_width:
-        problems.append(f"its target width is {translator.d_tgt} but the target's K/V width is {dec.kv_width}")
-    if translator.n_target_layers != dec.n_layers:
-        problems.append(f"it maps {translator.n_target_layers} target layers but the target has {dec.n_layers}")
-    deepest = max(translator.source_layers(), default=-1)
-    if deepest >= src.n_layers:
-        problems.append(f"it reads source layer {deepest} but the source has {src.n_layers}")
-    if problems:
-        raise ConfigError("the translator does not fit this source/target pair: " + "; ".join(problems))
 
 
 def _as_ids(ids: torch.Tensor | list[int], what: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ from evals.conditions import (
 )
 from evals.lm_eval_adapter import KvlingoLM, cut_at_stop, register
 from evals.lm_eval_tasks import materialise_tasks, run_lm_eval
-from translators.errors import ConfigError
+from translators.errors import ConfigError, PairMismatchError
 from translators.layout import cache_layout
 from translators.stage1 import Side
 from translators.translator import Translator
@@ -91,10 +91,10 @@ def test_condition_validation(llama, gemma):
         Condition("target_native", decoder=llama, source=llama)
     with pytest.raises(ConfigError, match="needs the source"):
         Condition("translated", decoder=llama)
-    with pytest.raises(ConfigError, match="same model"):
+    with pytest.raises(PairMismatchError, match="copies of one model"):
         translated(llama, gemma)
     wrong = identity_translator(gemma.layout)
-    with pytest.raises(ConfigError, match="does not fit"):
+    with pytest.raises(PairMismatchError, match="does not fit"):
         translated(llama, llama, wrong)
 
 
