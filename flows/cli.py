@@ -296,7 +296,7 @@ def bench_multiturn(
     fit_dir_ab: Annotated[Path | None, typer.Option(help="fit directory of A → B (default: the pair's run dir)")] = None,
     fit_dir_ba: Annotated[Path | None, typer.Option(help="fit directory of B → A")] = None,
     conversations: Annotated[int, typer.Option(help="held-out conversations")] = 8,
-    turns: Annotated[int, typer.Option(help="alternating turns per conversation")] = 8,
+    turns: Annotated[int, typer.Option(help="alternating turns per conversation (2 to 12)")] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
     """Alternating hand-offs: per-turn recall under re-prefill, segment-wise and naive translation."""

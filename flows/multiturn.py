@@ -1,7 +1,8 @@
 """`kvlingo bench multiturn`: alternating hand-offs between two models over many turns (paper §4.7, App. Q).
 
-Each conversation states several facts up front, then asks about them one turn at a time while the holder
-alternates A, B, A, B, …; every answer is scored (gold answer in its first line). The same conversations
+Each conversation (held-out, :func:`infra.synthetic_chat.handoff_conversations`) states two or three topics up
+front, then asks one question per turn while the holder alternates A, B, A, B, …; every answer is scored (gold
+answer in its first line). The same conversations
 are run in each mode: `reprefill` (each model reads what it lacks itself: the reference), `segment` (only the
 span written since a model last held the conversation is translated) and `naive` (the incoming model's line
 is a translation of the outgoing model's whole line, so translated content gets translated again).
@@ -13,34 +14,26 @@ from pathlib import Path
 from typing import Any
 
 from infra.settings import kvlingo_home
+from infra.synthetic_chat import MAX_HANDOFF_TURNS, handoff_conversations
 from translators.errors import ConfigError
 
 MODES = ("reprefill", "segment", "naive")
 
 
-def _conversation_items(n_conversations: int, turns: int, seed: int) -> list[dict[str, Any]]:
-    """Each: facts text (all items' context turns) and `turns` (question, gold) pairs, from held-out items."""
-    from infra.synthetic_chat import recall_items
+def _render(tokenizer, messages: list[dict], *, generation_prompt: bool, after_turn: bool) -> list[int]:
+    """Token ids of ``messages`` (plus the assistant header when ``generation_prompt``).
 
-    items = recall_items(n_conversations * turns, seed=seed)
-    conversations = []
-    for c in range(n_conversations):
-        chunk = items[c * turns : (c + 1) * turns]
-        facts = [m["content"] for item in chunk for m in item.messages[:-1] if m["role"] == "user"]
-        questions = [(item.messages[-1]["content"], item.answer.strip().rstrip(".")) for item in chunk]
-        conversations.append({"facts": "\n".join(facts), "questions": questions})
-    return conversations
-
-
-def _user_block(tokenizer, text: str, first: bool) -> list[int]:
-    """Token ids of one user turn plus the assistant header, continuing after a generated end-of-turn."""
+    ``after_turn``: the block follows a generated answer, which stops at the end-of-turn token
+    before the template's trailing newline, so the newline is written here.
+    """
     from infra.samples import has_chat_template
 
     if has_chat_template(tokenizer):
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-        rendered = rendered if first else "\n" + rendered
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
     else:
-        rendered = ("" if first else "\n") + f"User: {text}\nAssistant:"
+        rendered = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
+        rendered += "Assistant:" if generation_prompt else ""
+    rendered = ("\n" if after_turn else "") + rendered
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -59,7 +52,7 @@ def run_multiturn(
     """Per mode and turn: recall accuracy over the conversations, plus translation counters.
 
     Raises:
-        ConfigError: turns < 2, a missing translator artifact (says which fit to run), unknown stage.
+        ConfigError: turns outside 2..MAX_HANDOFF_TURNS, a missing translator artifact (says which fit to run), unknown stage.
         PairMismatchError: an artifact fitted for another pair.
     """
     from infra.pairs import check_same_tokenizer, load_for_pair
@@ -68,8 +61,9 @@ def run_multiturn(
     from translators.generation import GenerationSettings
     from translators.stage1 import Side
 
-    if turns < 2 or n_conversations < 1:
-        raise ConfigError("a hand-off needs at least 2 turns and 1 conversation")
+    if not 2 <= turns <= MAX_HANDOFF_TURNS or n_conversations < 1:
+        raise ConfigError(f"a hand-off needs 2 to {MAX_HANDOFF_TURNS} turns and at least 1 conversation, "
+                          f"got turns={turns}, conversations={n_conversations}")
     if stage not in ("closed_form", "distilled"):
         raise ConfigError(f"unknown stage {stage!r}: closed_form or distilled")
     a, b = load_model(model_a), load_model(model_b)
@@ -88,7 +82,7 @@ def run_multiturn(
     tokenizer = b.tokenizer
     stop = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)}
     settings = GenerationSettings(max_new_tokens=max_new_tokens, stop_ids=tuple(sorted(stop)))
-    conversations = _conversation_items(n_conversations, turns, seed)
+    conversations = handoff_conversations(n_conversations, turns, seed)
     result: dict[str, Any] = {"model_a": a.name, "model_b": b.name, "stage": stage, "turns": turns,
                               "n_conversations": n_conversations, "modes": {}}
     for mode in MODES:
@@ -96,12 +90,13 @@ def run_multiturn(
         max_count = 0
         for c, item in enumerate(conversations):
             conv = Conversation(sides, holder="A", translators=translators, mode=mode, tokenizer=tokenizer)
-            for t, (question, gold) in enumerate(item["questions"]):
+            conv.append(_render(tokenizer, item.opening, generation_prompt=False, after_turn=False))
+            for t, (question, gold) in enumerate(item.questions):
                 holder = "A" if t % 2 == 0 else "B"
                 if conv.holder != holder:
                     conv.switch_to(holder)
-                text = f"{item['facts']}\n{question}" if t == 0 else question
-                conv.append(_user_block(tokenizer, text, first=t == 0))
+                conv.append(_render(tokenizer, [{"role": "user", "content": question}], generation_prompt=True,
+                                    after_turn=t > 0))
                 answer = conv.generate(settings).text or ""
                 hits[t][c] = float(gold.lower() in answer.strip().split("\n")[0].lower())
             max_count = max(max_count, conv.max_translation_count())

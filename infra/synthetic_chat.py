@@ -14,14 +14,10 @@ tokenizer (spaces attach to the *preceding* word) a value has the same tokens in
 data files, no network.
 
 Seeds. Each conversation has its own *item seed* derived from ``(stream, seed, index)`` by
-:func:`item_seed`: the stream (0 training, 1 held-out, 2 repeat drills) occupies bits 32-33 and
+:func:`item_seed`: the stream (0 training, 1 held-out, 2 hand-off) occupies bits 32-33 and
 the caller's seed the bits above, so training and held-out item seeds are disjoint for *any* pair
 of user seeds. :func:`generate_conversations` draws from the training stream, :func:`recall_items`
-from the held-out stream and :func:`generate_repeat_drills` from the drill stream.
-
-Besides the three kinds, :func:`generate_repeat_drills` makes short "Repeat after me" exchanges
-(training only, never evaluated): verbatim copying over a short context is what makes tiny models
-grow induction heads quickly, and every retrieval kind above builds on that ability.
+and :func:`handoff_conversations` from their own held-out streams.
 """
 
 from __future__ import annotations
@@ -34,8 +30,9 @@ KINDS = ("fact", "needle", "qa")
 
 TRAIN_STREAM = 0
 HELDOUT_STREAM = 1
-DRILL_STREAM = 2
-_STREAMS = (TRAIN_STREAM, HELDOUT_STREAM, DRILL_STREAM)
+HANDOFF_STREAM = 2
+_STREAMS = (TRAIN_STREAM, HELDOUT_STREAM, HANDOFF_STREAM)
+MAX_HANDOFF_TURNS = 12
 _INDEX_BITS = 32
 _STREAM_BITS = 2
 
@@ -125,8 +122,7 @@ ECHO_PREFIXES = ("To confirm:", "Let me repeat that:", "Noted:")
 # Share of statements the assistant acknowledges by repeating them verbatim. Verbatim repeats are
 # dense copy-from-context events; they teach tiny models induction-style copying far faster than
 # the sparse question/answer events alone.
-ECHO_RATE = 0.5
-DRILL_ITEMS = (3, 8)  # items per repeat drill
+ECHO_RATE = 1.0
 
 AGE_RANGE = (2, 15)
 FLAT_RANGE = (10, 99)
@@ -150,6 +146,18 @@ class EvalItem:
     kind: str
     messages: list[dict]
     answer: str
+
+
+@dataclass(frozen=True)
+class HandoffConversation:
+    """A multi-turn hand-off conversation: topics stated up front, then one question per turn.
+
+    ``opening`` holds the statement exchanges (user statement, assistant acknowledgement);
+    ``questions`` holds (question, gold answer without its final period) pairs, all distinct.
+    """
+
+    opening: list[dict]
+    questions: list[tuple[str, str]]
 
 
 @dataclass
@@ -267,8 +275,8 @@ def _birthday_fact(rng: random.Random) -> tuple[list[str], list[tuple[str, str]]
 
 
 def _needle_topic(rng: random.Random) -> _Topic:
-    """Two to five codes under distinct keys; every one can be asked, the rest are distractors."""
-    count = rng.randint(2, 5)
+    """Two to four codes under distinct keys; every one can be asked, the rest are distractors."""
+    count = rng.randint(2, 4)
     keys = [f"{word}-{rng.randint(*SUFFIX_RANGE)}" for word in rng.sample(NEEDLE_KEYS, count)]
     codes = [str(rng.randint(*CODE_RANGE)) for _ in keys]
     lines = [f"The code for {key} is {code}." for key, code in zip(keys, codes)]
@@ -338,7 +346,8 @@ def _conversation(rng: random.Random, final_kind: str | None = None) -> tuple[li
     One or two topics are stated first (each in its own exchange), then questions drawn from all
     stated topics fill the remaining exchanges. ``final_kind`` forces the kind of the last question.
     """
-    n_exchanges = rng.randint(2, 4)
+    # Weighted towards longer conversations: more questions per token means more retrieval events.
+    n_exchanges = rng.choices((2, 3, 4), weights=(1, 2, 3))[0]
     kinds = [final_kind or rng.choice(KINDS)]
     if n_exchanges >= 3 and rng.random() < 0.5:
         # A second topic of another kind: two topics of one kind could contradict each other.
@@ -410,6 +419,47 @@ def recall_items(n: int, seed: int) -> list[EvalItem]:
     return items
 
 
+def handoff_conversations(n: int, turns: int, seed: int) -> list[HandoffConversation]:
+    """``n`` held-out hand-off conversations (hand-off stream) with ``turns`` questions each.
+
+    A short text (qa) and a fact or needle topic are stated first; a topic of the third kind is
+    added only when the first two make fewer than ``turns`` distinct questions. Keeping the
+    opening short keeps whole conversations near the lengths the embedded models trained on.
+
+    Raises:
+        ValueError: ``turns`` outside [1, MAX_HANDOFF_TURNS], or a bad ``n``.
+    """
+    _check_count(n)
+    if not 1 <= turns <= MAX_HANDOFF_TURNS:
+        raise ValueError(f"turns must be between 1 and {MAX_HANDOFF_TURNS}, got {turns!r}")
+    out = []
+    for index in range(n):
+        rng = random.Random(item_seed(HANDOFF_STREAM, seed, index))
+        topics = _handoff_topics(rng, turns)
+        opening = [m for t in topics for m in (_msg("user", t.statement), _msg("assistant", t.ack))]
+        pool = [(q, a) for t in topics for q, a in t.questions]
+        out.append(HandoffConversation(opening, rng.sample(pool, turns)))
+    return out
+
+
+def _handoff_topics(rng: random.Random, turns: int) -> list[_Topic]:
+    """qa plus fact or needle (plus the third kind if needed), redrawn until ``turns`` questions exist.
+
+    Three topics always make at least 8 questions and usually far more, so the loop ends quickly
+    for every allowed ``turns``.
+    """
+    while True:
+        second = rng.choice(("fact", "needle"))
+        kinds = ["qa", second]
+        topics = [_TOPIC_BUILDERS[kind](rng) for kind in kinds]
+        if sum(len(t.questions) for t in topics) < turns:
+            third = "needle" if second == "fact" else "fact"
+            topics.append(_TOPIC_BUILDERS[third](rng))
+        if sum(len(t.questions) for t in topics) >= turns:
+            rng.shuffle(topics)
+            return topics
+
+
 def answer_chance(answer: str) -> float:
     """Probability of guessing ``answer`` uniformly from the pool it was drawn from.
 
@@ -424,22 +474,3 @@ def answer_chance(answer: str) -> float:
     if first in FIRST_NAMES and last in LAST_NAMES:
         sizes.append(len(FIRST_NAMES) * len(LAST_NAMES))
     return 1.0 / min(sizes) if sizes else 1.0
-
-
-def _drill_token(rng: random.Random) -> str:
-    """One random item to repeat: a word from the corpus pools, or a short number."""
-    if rng.random() < 0.3:
-        return str(rng.randint(0, 9999))
-    pool = rng.choice(list(_WORD_POOLS.values()) + [NEEDLE_KEYS, PET_KINDS, RELATIONS])
-    return rng.choice(pool)
-
-
-def generate_repeat_drills(n: int, seed: int) -> list[list[dict]]:
-    """``n`` one-exchange "Repeat after me" conversations (drill stream) of 3-8 random items."""
-    _check_count(n)
-    out = []
-    for index in range(n):
-        rng = random.Random(item_seed(DRILL_STREAM, seed, index))
-        text = " ".join(_drill_token(rng) for _ in range(rng.randint(*DRILL_ITEMS)))
-        out.append([_msg("user", f"Repeat after me: {text}"), _msg("assistant", text)])
-    return out

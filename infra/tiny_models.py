@@ -6,6 +6,12 @@ corpus of :mod:`infra.synthetic_chat`. Builds are deterministic (fixed seeds, fp
 ``kvlingo_home()/models/<name>/`` next to a ``kvlingo_build.json`` recording the build-recipe hash;
 a cache whose hash matches is returned without retraining.
 
+Recipe: next-token cross-entropy weighted towards the assistant answers, plus a loss that trains
+one head of the last layer to attend to the earlier occurrences of the token the assistant is
+about to copy. Without that second term, models this small stayed at chance on held-out recall
+within the build budget (the first recipe, 150 steps of 16 x 512 tokens, scored 0.00-0.01
+against a chance of 0.03); with it they learn retrieval in about a thousand small steps.
+
 ``python -m infra.tiny_models build`` builds both and prints their held-out recall accuracies.
 """
 
@@ -33,13 +39,12 @@ from infra.synthetic_chat import (
     EvalItem,
     answer_chance,
     generate_conversations,
-    generate_repeat_drills,
     recall_items,
 )
 from translators.errors import ConfigError
 
 # Bump when the training code or the corpus generator changes behaviour: it invalidates caches.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 BUILD_FILE = "kvlingo_build.json"
 TOKENIZER_DIR = "kvlingo-tiny-tokenizer"
 
@@ -83,21 +88,20 @@ class TinyModelSpec:
     weight_decay: float = 0.05
     answer_weight: float = 1.0
     context_weight: float = 0.25
-    drill_steps: int = 0
-    drill_batch_size: int = 16
-    drill_seq_len: int = 128
+    copy_supervision: float = 1.0  # weight of the copy-head attention loss
+    copy_heads: int = 1  # q-heads of the last layer that the copy loss supervises
 
 
 TINY_MODELS: dict[str, TinyModelSpec] = {
     "kvlingo-tiny-s": TinyModelSpec(
         num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, intermediate_size=384, steps=150, batch_size=16, seq_len=512, lr=3e-3,
+        head_dim=32, intermediate_size=384, steps=1200, batch_size=2, seq_len=512, lr=3e-3,
         seed=1,
     ),
     "kvlingo-tiny-l": TinyModelSpec(
         num_hidden_layers=6, hidden_size=192, num_attention_heads=6, num_key_value_heads=3,
-        head_dim=32, intermediate_size=512, steps=150, batch_size=16, seq_len=512, lr=2e-3,
-        seed=2,
+        head_dim=32, intermediate_size=512, steps=1200, batch_size=2, seq_len=512, lr=3e-3,
+        seed=2, copy_heads=2,
     ),
 }
 
@@ -207,8 +211,7 @@ def _train_tokenizer():
         vocab_size=TOKENIZER_RECIPE["vocab_size"], special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     count = TOKENIZER_RECIPE["corpus_conversations"]
-    conversations = (generate_conversations(count, CORPUS_SEED)
-                     + generate_repeat_drills(count // 4, CORPUS_SEED))
+    conversations = generate_conversations(count, CORPUS_SEED)
     tokenizer.train_from_iterator([render_chat(c) + ENDOFTEXT for c in conversations], trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=IM_END, pad_token=ENDOFTEXT, unk_token=None,
@@ -251,13 +254,14 @@ def _qwen3_config(spec: TinyModelSpec, tokenizer):
 
 
 def _packed_rows(tokenizer, conversations: list[list[dict]], rows_needed: int, seq_len: int,
-                 spec: TinyModelSpec):
+                 spec: TinyModelSpec) -> dict:
     """``rows_needed`` rows of whole conversations packed into ``seq_len`` tokens each.
 
-    Returns (input_ids, position_ids, weights): int64 ids and positions, float32 per-token loss
-    weights of each token as a prediction target. Positions restart at 0 for every conversation,
-    which makes transformers build a block-diagonal mask: a conversation never sees another one,
-    exactly as at evaluation. Padding has weight 0; rows are reused cyclically if ever short.
+    Returns a dict of (rows, seq_len) tensors: ``input_ids``; ``position_ids``, restarting at 0
+    for every conversation so that transformers builds a block-diagonal mask (a conversation never
+    sees another one, exactly as at evaluation); ``weights``, the loss weight of each token as a
+    prediction target (0 for padding); ``conv_start`` and ``copy_limit``, see :func:`_annotate`.
+    Rows are reused cyclically if ever short.
     """
     import torch
 
@@ -273,55 +277,60 @@ def _packed_rows(tokenizer, conversations: list[list[dict]], rows_needed: int, s
         row = row + ids
     rows.append(row)
     shape = (rows_needed, seq_len)
-    input_ids = torch.full(shape, ids_of[ENDOFTEXT], dtype=torch.long)
-    position_ids = torch.zeros(shape, dtype=torch.long)
-    weights = torch.zeros(shape, dtype=torch.float32)
+    out = {"input_ids": torch.full(shape, ids_of[ENDOFTEXT], dtype=torch.long),
+           "position_ids": torch.zeros(shape, dtype=torch.long),
+           "weights": torch.zeros(shape, dtype=torch.float32),
+           "conv_start": torch.zeros(shape, dtype=torch.long),
+           "copy_limit": torch.full(shape, -1, dtype=torch.long)}
     for r in range(rows_needed):
         ids = rows[r % len(rows)]
-        input_ids[r, : len(ids)] = torch.tensor(ids)
-        position_ids[r] = _restart_positions(ids, ids_of[ENDOFTEXT], seq_len)
-        weights[r, : len(ids)] = _token_weights(ids, ids_of, spec)
-    return input_ids, position_ids, weights
+        n = len(ids)
+        weights, conv_start, copy_limit = _annotate(ids, ids_of, spec)
+        out["input_ids"][r, :n] = torch.tensor(ids)
+        out["position_ids"][r] = _restart_positions(ids, ids_of[ENDOFTEXT], seq_len)
+        out["weights"][r, :n] = torch.tensor(weights)
+        out["conv_start"][r, :n] = torch.tensor(conv_start)
+        out["copy_limit"][r, :n] = torch.tensor(copy_limit)
+        out["conv_start"][r, n:] = n  # padding: an empty source window
+    return out
 
 
-def _training_phases(tokenizer, spec: TinyModelSpec) -> list[tuple]:
-    """[(input_ids, position_ids, weights, batch_size, steps)]: repeat drills, then the chat corpus.
+def _annotate(ids: list[int], ids_of: dict[str, int], spec: TinyModelSpec):
+    """Per-token loss weights and copy-supervision windows of one packed row.
 
-    The short drills come first because induction-style copying forms several times faster over
-    short contexts; the chat phase then only has to learn *what* to copy.
+    ``weights[i]``: ``answer_weight`` for tokens inside assistant turns, ``context_weight``
+    elsewhere. User turns are mostly random values nobody can predict; their gradient noise would
+    drown the signal that teaches in-context retrieval, which lives in the assistant answers.
+
+    ``conv_start[i]``: index where token i's conversation starts. ``copy_limit[i]``: when token
+    i + 1 is an assistant token whose id occurs earlier in the conversation (before the current
+    assistant turn), the index where that turn starts; -1 otherwise. The copy-supervised head at i
+    is trained to attend to those earlier occurrences (see :func:`_copy_supervision_loss`).
     """
-    phases = []
-    if spec.drill_steps:
-        rows = spec.drill_steps * spec.drill_batch_size
-        # A drill renders to ~35-55 tokens; over-generate so rows are never reused.
-        drills = generate_repeat_drills(rows * spec.drill_seq_len // 30 + 16, CORPUS_SEED)
-        phases.append((*_packed_rows(tokenizer, drills, rows, spec.drill_seq_len, spec),
-                       spec.drill_batch_size, spec.drill_steps))
-    rows = spec.steps * spec.batch_size
-    # Rendered conversations average ~175 tokens; over-generate so rows are never reused.
-    chats = generate_conversations(rows * spec.seq_len // 140 + 16, CORPUS_SEED)
-    phases.append((*_packed_rows(tokenizer, chats, rows, spec.seq_len, spec),
-                   spec.batch_size, spec.steps))
-    return phases
-
-
-def _token_weights(ids: list[int], ids_of: dict[str, int], spec: TinyModelSpec):
-    """Loss weight per token: ``answer_weight`` inside assistant turns, ``context_weight`` elsewhere.
-
-    User turns are mostly random values nobody can predict; their gradient noise would drown the
-    signal that teaches in-context retrieval, which lives in the assistant answers.
-    """
-    import torch
-
-    out, in_assistant = [], False
+    weights, conv_start, copy_limit = [], [], [-1] * len(ids)
+    start, turn_start, in_assistant, seen = 0, -1, False, set()
     for i, token in enumerate(ids):
-        out.append(spec.answer_weight if in_assistant else spec.context_weight)
+        weights.append(spec.answer_weight if in_assistant else spec.context_weight)
+        conv_start.append(start)
+        if in_assistant and token != ids_of[IM_END] and token in seen:
+            copy_limit[i - 1] = turn_start
         if token == ids_of[IM_END]:
             in_assistant = False
+        elif token == ids_of[ENDOFTEXT]:
+            start, seen = i + 1, set()
         # The token after `<|im_start|>assistant` is the newline; content starts after it.
         elif i >= 2 and ids[i - 2] == ids_of[IM_START] and ids[i - 1] == ids_of["assistant"]:
-            in_assistant = True
-    return torch.tensor(out, dtype=torch.float32)
+            in_assistant, turn_start = True, i + 1
+            seen = set(ids[start:i - 2])
+    return weights, conv_start, copy_limit
+
+
+def _training_rows(tokenizer, spec: TinyModelSpec) -> dict:
+    """The packed chat corpus of one build: ``steps * batch_size`` rows (see :func:`_packed_rows`)."""
+    rows = spec.steps * spec.batch_size
+    # Rendered conversations average ~120 tokens; over-generate so rows are never reused.
+    chats = generate_conversations(rows * spec.seq_len // 100 + 16, CORPUS_SEED)
+    return _packed_rows(tokenizer, chats, rows, spec.seq_len, spec)
 
 
 def _restart_positions(ids: list[int], eot_id: int, length: int):
@@ -336,24 +345,93 @@ def _restart_positions(ids: list[int], eot_id: int, length: int):
     return torch.tensor(positions, dtype=torch.long)
 
 
-def _weighted_loss(model, input_ids, position_ids, weights):
-    """Weighted next-token cross-entropy of one packed batch."""
+class _AttentionTap:
+    """Captures the inputs of one attention layer during a forward pass (a pre-hook).
+
+    Recomputing that layer's attention probabilities for a few heads from these inputs is much
+    cheaper than running the whole model with eager attention to get them.
+    """
+
+    def __init__(self, attention):
+        self.attention = attention
+        self.hidden_states = None
+        self.position_embeddings = None
+        self.handle = attention.register_forward_pre_hook(self._capture, with_kwargs=True)
+
+    def _capture(self, module, args, kwargs):
+        self.hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self.position_embeddings = kwargs["position_embeddings"]
+
+    def probabilities(self, heads: int, conv_start, causal_index):
+        """(batch, heads, T, T) attention probabilities of q-heads ``0..heads-1``."""
+        import torch
+        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+        attn = self.attention
+        batch, length, _ = self.hidden_states.shape
+        dim = attn.head_dim
+        group = attn.config.num_attention_heads // attn.config.num_key_value_heads
+        q = attn.q_proj(self.hidden_states)[..., : heads * dim].view(batch, length, heads, dim)
+        kv_heads = (heads + group - 1) // group
+        k = attn.k_proj(self.hidden_states)[..., : kv_heads * dim].view(batch, length, kv_heads, dim)
+        q, k = attn.q_norm(q).transpose(1, 2), attn.k_norm(k).transpose(1, 2)
+        cos, sin = self.position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k = k.repeat_interleave(group, dim=1)[:, :heads]
+        scores = (q @ k.transpose(-1, -2)) * attn.scaling
+        s_idx = causal_index.view(1, 1, length)
+        allowed = (s_idx <= causal_index.view(1, length, 1)) & (s_idx >= conv_start.unsqueeze(-1))
+        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        return torch.softmax(scores, dim=-1)
+
+    def close(self) -> None:
+        self.handle.remove()
+
+
+def _copy_supervision_loss(tap: _AttentionTap, heads: int, batch: dict):
+    """Mean -log attention mass that the copy heads put on the source of the token being copied.
+
+    For every position whose next token is an assistant token also found earlier in the
+    conversation, the first ``heads`` q-heads of the last layer should attend to those earlier
+    occurrences. Supervising this directly skips the long loss plateau in which tiny models
+    otherwise wait for copy (induction) heads to appear on their own.
+    """
+    import torch
+
+    ids, conv_start, limit = batch["input_ids"], batch["conv_start"], batch["copy_limit"]
+    length = ids.shape[1]
+    index = torch.arange(length)
+    probs = tap.probabilities(heads, conv_start, index)
+    target = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # token i + 1 (wrap is masked below)
+    source = ((ids.unsqueeze(1) == target.unsqueeze(2))
+              & (index.view(1, 1, length) >= conv_start.unsqueeze(2))
+              & (index.view(1, 1, length) < limit.unsqueeze(2)))
+    supervised = limit >= 0
+    if not supervised.any():
+        return probs.sum() * 0.0
+    mass = (probs * source.unsqueeze(1)).sum(-1)  # (batch, heads, T)
+    picked = mass.permute(0, 2, 1)[supervised]  # (n, heads)
+    return -torch.log(picked.clamp_min(1e-6)).mean()
+
+
+def _step_loss(model, tap: _AttentionTap, batch: dict, spec: TinyModelSpec):
+    """Weighted next-token cross-entropy of one packed batch plus the weighted copy-head loss."""
     import torch
 
     # use_cache=False: transformers only derives the packed block mask when no cache exists.
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                   use_cache=False).logits
     losses = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten(), reduction="none")
-    target_weights = weights[:, 1:].flatten()
-    return (losses * target_weights).sum() / target_weights.sum().clamp_min(1e-6)
+        logits[:, :-1].flatten(0, 1), batch["input_ids"][:, 1:].flatten(), reduction="none")
+    target_weights = batch["weights"][:, 1:].flatten()
+    loss = (losses * target_weights).sum() / target_weights.sum().clamp_min(1e-6)
+    return loss + spec.copy_supervision * _copy_supervision_loss(tap, spec.copy_heads, batch)
 
 
-def _batches(phases: list[tuple]) -> Iterator[tuple]:
-    """(input_ids, position_ids, weights) per optimiser step, phase after phase."""
-    for input_ids, position_ids, weights, batch_size, steps in phases:
-        for step in range(steps):
-            batch = slice(step * batch_size, (step + 1) * batch_size)
-            yield input_ids[batch], position_ids[batch], weights[batch]
+def _batches(rows: dict, batch_size: int) -> Iterator[dict]:
+    """Consecutive ``batch_size``-row slices of every tensor in ``rows``, one per optimiser step."""
+    for start in range(0, len(rows["input_ids"]), batch_size):
+        yield {key: value[start:start + batch_size] for key, value in rows.items()}
 
 
 def _lr_at(step: int, total: int, spec: TinyModelSpec) -> float:
@@ -398,28 +476,32 @@ def train_tiny_model(name: str, tokenizer, *, progress: bool = True, callback=No
 
     spec = _spec_for(name)
     torch.manual_seed(spec.seed)
-    phases = _training_phases(tokenizer, spec)
+    rows = _training_rows(tokenizer, spec)
     model = Qwen3ForCausalLM(_qwen3_config(spec, tokenizer)).float()
     model.train()
     optimizer = _optimizer(model, spec)
-    total = sum(phase[-1] for phase in phases)
+    # The last layer: a copy head there writes the copied token straight into the unembedding.
+    tap = _AttentionTap(model.model.layers[-1].self_attn)
     recent: list[float] = []
-    bar, task = _progress_bar(progress, name, total)
-    with bar:
-        for step, (ids, pos, weights) in enumerate(_batches(phases)):
-            for group in optimizer.param_groups:
-                group["lr"] = _lr_at(step, total, spec)
-            loss = _weighted_loss(model, ids, pos, weights)
-            if not torch.isfinite(loss):
-                raise RuntimeError(f"{name}: non-finite training loss at step {step}")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            recent = (recent + [loss.item()])[-10:]
-            bar.update(task, advance=1, loss=f"{sum(recent) / len(recent):.3f}")
-            if callback is not None:
-                callback(step, model)
+    bar, task = _progress_bar(progress, name, spec.steps)
+    try:
+        with bar:
+            for step, batch in enumerate(_batches(rows, spec.batch_size)):
+                for group in optimizer.param_groups:
+                    group["lr"] = _lr_at(step, spec.steps, spec)
+                loss = _step_loss(model, tap, batch, spec)
+                if not torch.isfinite(loss):
+                    raise RuntimeError(f"{name}: non-finite training loss at step {step}")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                recent = (recent + [loss.item()])[-10:]
+                bar.update(task, advance=1, loss=f"{sum(recent) / len(recent):.3f}")
+                if callback is not None:
+                    callback(step, model)
+    finally:
+        tap.close()
     model.eval()
     return model, sum(recent) / len(recent)
 

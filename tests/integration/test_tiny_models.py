@@ -56,12 +56,6 @@ def test_pair_differs_in_depth_width_and_kv_heads(pair):
 
 
 @pytest.mark.parametrize("name", sorted(TINY_MODELS))
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: the current ~5-minute recipe does not teach in-context retrieval (held-out recall is at "
-    "chance, see `python -m infra.tiny_models build`); strict, so a recipe that fixes it turns this into a failure "
-    "that asks for the marker to go",
-)
 def test_recall_clearly_above_chance(pair, name):
     model, tokenizer = pair[name]
     scores = evaluate_recall(model, tokenizer, recall_items(N_ITEMS, HELDOUT_SEED))

@@ -40,3 +40,9 @@ def test_missing_translator_says_which_fit_to_run(fitted, tmp_path):
     a, b, root = fitted
     with pytest.raises(ConfigError, match="kvlingo fit"):
         run_multiturn(a, b, stage="distilled", fit_dir_ab=root / "ab", fit_dir_ba=root / "ba")
+
+
+@pytest.mark.parametrize("turns", [1, 13])
+def test_turns_out_of_range_is_a_config_error(turns):
+    with pytest.raises(ConfigError, match="2 to 12 turns"):
+        run_multiturn("no-model-is-loaded", "before-validation", turns=turns)

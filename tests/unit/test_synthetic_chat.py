@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 
 from infra.synthetic_chat import (
+    CODE_RANGE,
+    HANDOFF_STREAM,
     HELDOUT_STREAM,
+    MAX_HANDOFF_TURNS,
     KINDS,
     SMALL_TALK,
     TRAIN_STREAM,
+    YEAR_RANGE,
     EvalItem,
     answer_chance,
     generate_conversations,
+    handoff_conversations,
     item_seed,
     recall_items,
 )
@@ -42,7 +47,8 @@ def test_conversation_shape():
 def test_train_and_heldout_item_seeds_are_disjoint():
     train = {item_seed(TRAIN_STREAM, s, i) for s in range(4) for i in range(500)}
     held_out = {item_seed(HELDOUT_STREAM, s, i) for s in range(4) for i in range(500)}
-    assert not train & held_out
+    handoff = {item_seed(HANDOFF_STREAM, s, i) for s in range(4) for i in range(500)}
+    assert not train & held_out and not train & handoff and not held_out & handoff
     # Distinct (seed, index) pairs never collide within a stream either.
     assert len(train) == 4 * 500
 
@@ -84,8 +90,10 @@ def test_answer_chance_is_small_and_positive():
     for item in recall_items(60, seed=0):
         chance = answer_chance(item.answer)
         assert 0 < chance < 0.2
-        if item.kind == "needle":
-            assert chance < 1e-3
+        code = int(item.answer.removesuffix(".")) if item.kind == "needle" else None
+        # A code that is also a possible year counts with the (smaller) year pool: conservative.
+        if code is not None and not YEAR_RANGE[0] <= code <= YEAR_RANGE[1]:
+            assert chance == pytest.approx(1 / (CODE_RANGE[1] - CODE_RANGE[0] + 1))
 
 
 def test_bad_arguments_raise():
@@ -93,3 +101,22 @@ def test_bad_arguments_raise():
         generate_conversations(-1, seed=0)
     with pytest.raises(ValueError):
         item_seed(TRAIN_STREAM, -1, 0)
+
+
+@pytest.mark.parametrize("turns", [2, 8, MAX_HANDOFF_TURNS])
+def test_handoff_questions_are_distinct_and_answerable_from_the_opening(turns):
+    conversations = handoff_conversations(60, turns, seed=7)
+    assert conversations == handoff_conversations(60, turns, seed=7)
+    for conversation in conversations:
+        roles = [m["role"] for m in conversation.opening]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) and 2 <= len(roles) // 2 <= 3
+        assert len(conversation.questions) == turns == len(set(conversation.questions))
+        stated = " ".join(m["content"] for m in conversation.opening if m["role"] == "user")
+        for question, gold in conversation.questions:
+            assert question.endswith("?") and gold in stated and not gold.endswith(".")
+
+
+def test_handoff_turns_out_of_range_raise():
+    for turns in (0, MAX_HANDOFF_TURNS + 1):
+        with pytest.raises(ValueError, match=f"between 1 and {MAX_HANDOFF_TURNS}"):
+            handoff_conversations(2, turns, seed=0)

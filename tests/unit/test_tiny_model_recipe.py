@@ -1,0 +1,105 @@
+"""Unit tests of the tiny-model training recipe: token annotation and attention supervision.
+
+The attention tap is checked against transformers' own eager attention probabilities, and the
+supervision losses against hand-computed values on crafted attention patterns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from infra.tiny_models import (
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    TINY_MODELS,
+    _annotate,
+    _AttentionTap,
+    _copy_supervision_loss,
+)
+from tiny_configs import tiny_model
+
+IDS_OF = {ENDOFTEXT: 0, IM_START: 1, IM_END: 2, "assistant": 3}
+NEWLINE, USER = 9, 10
+SPEC = TINY_MODELS["kvlingo-tiny-s"]
+
+# One conversation: user says [20 21], assistant answers [20 22], then end of text and a second
+# conversation in which the assistant answers [21] although 21 only occurred in the first one.
+ROW = [1, USER, NEWLINE, 20, 21, 2, NEWLINE,          # 0-6: user turn
+       1, 3, NEWLINE, 20, 22, 2, NEWLINE,             # 7-13: assistant turn, content at 10-11
+       0,                                             # 14: end of text
+       1, USER, NEWLINE, 23, 2, NEWLINE,              # 15-20: user turn of conversation 2
+       1, 3, NEWLINE, 21, 2]                          # 21-25: assistant turn, content at 24
+
+
+def test_annotate_weights_answers_and_marks_copy_targets():
+    weights, conv_start, copy_limit = _annotate(ROW, IDS_OF, SPEC)
+    answer = {10, 11, 12, 24, 25}  # assistant content and its closing <|im_end|>
+    assert [i for i, w in enumerate(weights) if w == SPEC.answer_weight] == sorted(answer)
+    assert all(w == SPEC.context_weight for i, w in enumerate(weights) if i not in answer)
+    assert conv_start == [0] * 15 + [15] * 11
+    # Only position 9 (predicting 20, which the user said) is a copy target: 22 is new, <|im_end|>
+    # is never supervised, and 21 in conversation 2 comes from another conversation.
+    assert [i for i, limit in enumerate(copy_limit) if limit >= 0] == [9]
+    assert copy_limit[9] == 10
+
+
+def test_attention_tap_matches_eager_attention_probabilities():
+    model = tiny_model("qwen3", seed=3, attn_implementation="eager")
+    tap = _AttentionTap(model.model.layers[-1].self_attn)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            reference = model(input_ids=ids, output_attentions=True).attentions[-1]  # (2, 4, 12, 12)
+            index = torch.arange(12)
+            probs = tap.probabilities(3, torch.zeros(2, 12, dtype=torch.long), index)
+    finally:
+        tap.close()
+    torch.testing.assert_close(probs, reference[:, :3], rtol=1e-5, atol=1e-6)
+
+
+def test_attention_tap_keeps_packed_conversations_apart():
+    model = tiny_model("qwen3", seed=3, attn_implementation="eager")
+    tap = _AttentionTap(model.model.layers[-1].self_attn)
+    first, second = torch.randint(0, 97, (1, 5)), torch.randint(0, 97, (1, 7))
+    packed = torch.cat([first, second], dim=1)
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).unsqueeze(0)
+    conv_start = torch.tensor([[0] * 5 + [5] * 7])
+    try:
+        with torch.no_grad():
+            model(input_ids=packed, position_ids=positions, use_cache=False)
+            probs = tap.probabilities(2, conv_start, torch.arange(12))[0]  # (2, 12, 12)
+            alone = model(input_ids=second, output_attentions=True).attentions[-1][0, :2]
+    finally:
+        tap.close()
+    assert probs[:, 5:, :5].abs().max() == 0  # the second conversation never sees the first
+    torch.testing.assert_close(probs[:, 5:, 5:], alone, rtol=1e-5, atol=1e-6)
+
+
+class _UniformTap:
+    """Stand-in tap: every head attends uniformly over its allowed (causal, same-conversation) keys."""
+
+    def probabilities(self, heads, conv_start, causal_index):
+        batch, length = conv_start.shape
+        keys = causal_index.view(1, 1, length)
+        allowed = (keys <= causal_index.view(1, length, 1)) & (keys >= conv_start.unsqueeze(-1))
+        uniform = allowed.float() / allowed.sum(-1, keepdim=True)
+        return uniform.unsqueeze(1).expand(batch, heads, length, length)
+
+
+def test_copy_loss_is_minus_log_mass_on_earlier_occurrences():
+    weights, conv_start, copy_limit = _annotate(ROW, IDS_OF, SPEC)
+    batch = {"input_ids": torch.tensor([ROW]), "conv_start": torch.tensor([conv_start]),
+             "copy_limit": torch.tensor([copy_limit])}
+    loss = _copy_supervision_loss(_UniformTap(), 2, batch)
+    # Position 9 sees keys 0..9 uniformly; token 20 (the copy target) sits at key 3 only.
+    assert loss.item() == pytest.approx(-math.log(1 / 10), rel=1e-6)
+
+
+def test_copy_loss_is_zero_without_copy_targets():
+    batch = {"input_ids": torch.tensor([[1, USER, 20, 2]]), "conv_start": torch.zeros(1, 4, dtype=torch.long),
+             "copy_limit": torch.full((1, 4), -1)}
+    assert _copy_supervision_loss(_UniformTap(), 1, batch).item() == 0.0
