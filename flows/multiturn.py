@@ -2,10 +2,10 @@
 
 Each conversation (held-out, :func:`infra.synthetic_chat.handoff_conversations`) states two or three topics up
 front, then asks one question per turn while the holder alternates A, B, A, B, …; every answer is scored (gold
-answer in its first line). The same conversations
-are run in each mode: `reprefill` (each model reads what it lacks itself: the reference), `segment` (only the
-span written since a model last held the conversation is translated) and `naive` (the incoming model's line
-is a translation of the outgoing model's whole line, so translated content gets translated again).
+answer in its first line). The same conversations are run in each mode: `reprefill` (each model reads what it
+lacks itself: the reference), `segment` (only the span written since a model last held the conversation is
+translated) and `naive` (the incoming model's line is a translation of the outgoing model's whole line, so
+translated content gets translated again).
 """
 
 from __future__ import annotations

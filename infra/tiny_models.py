@@ -100,7 +100,7 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
     ),
     "kvlingo-tiny-l": TinyModelSpec(
         num_hidden_layers=6, hidden_size=192, num_attention_heads=6, num_key_value_heads=3,
-        head_dim=32, intermediate_size=512, steps=1200, batch_size=2, seq_len=512, lr=3e-3,
+        head_dim=32, intermediate_size=512, steps=1500, batch_size=2, seq_len=512, lr=3e-3,
         seed=2, copy_heads=2,
     ),
 }
