@@ -145,19 +145,34 @@ def benchmark_flow(config: EvalConfig) -> dict[str, Any]:
     return {**result, "run_id": run.info.run_id, "experiment": pair_name(result["source"], result["target"])}
 
 
+DEMO_PAIR = ("kvlingo-tiny-l", "kvlingo-tiny-s")
+
+
+def demo_run_dir(source: str, target: str, steps: int) -> Path:
+    """Where the demo fits ``source`` → ``target``: keyed by both models' build recipes and ``steps``.
+
+    A re-run with the same builds and steps resumes there; after a tiny-model recipe change or with other
+    steps it starts in a fresh directory, since resuming refuses checkpoints of other models or configs.
+    """
+    from infra.settings import kvlingo_home
+    from infra.tiny_models import recipe_hash
+
+    key = f"{recipe_hash(source)[:8]}-{recipe_hash(target)[:8]}-steps{steps}"
+    return kvlingo_home() / "runs" / "demo" / f"{source}--{target}" / key
+
+
 @flow(name="kvlingo-demo")
 def demo_flow(steps: int = 60, n_train: int = 600, n_val: int = 24, eval_limit: int = 6,
-              data_dir: Path | None = None, pair: tuple[str, str] = ("kvlingo-tiny-l", "kvlingo-tiny-s")) -> dict[str, Any]:
+              data_dir: Path | None = None) -> dict[str, Any]:
     """The README's main job: the embedded pair in both directions, tracked, registered, summarised."""
-    from infra.settings import kvlingo_home
     from registry.report import refresh_duckdb, report_rows
 
     fits = []
-    for source, target in (pair, pair[::-1]):
+    for source, target in (DEMO_PAIR, DEMO_PAIR[::-1]):
         # 600 conversations: with fewer, stage 2 starts to overfit the maps within 60 steps on this pair.
         config = FitConfig(source=source, target=target, data="embedded:1000", steps=steps, n_train=n_train, n_val=n_val, lr=3e-3,
                            eval_every=max(1, steps // 3), checkpoint_every=max(1, steps // 3),
-                           output_dir=kvlingo_home() / "runs" / "demo" / f"{source}--{target}")
+                           output_dir=demo_run_dir(source, target, steps))
         fits.append(fit_flow(config, eval_limit=eval_limit, data_dir=data_dir, ruler_lengths=[128, 256]))
     db = refresh_duckdb()
     return {"fits": fits, "report": report_rows(db), "duckdb": str(db)}

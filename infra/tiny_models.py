@@ -140,6 +140,15 @@ def _model_recipe(name: str) -> dict:
             "corpus_seed": CORPUS_SEED, "tokenizer": _tokenizer_recipe()}
 
 
+def recipe_hash(name: str) -> str:
+    """The build-recipe hash of ``name`` (what its cache directory must record to be reused).
+
+    Raises:
+        ConfigError: unknown name (with the nearest known one).
+    """
+    return _hash(_model_recipe(name))
+
+
 def _read_build_hash(directory: Path) -> str | None:
     """The recipe hash recorded in ``directory``, or None when absent or unreadable."""
     try:
