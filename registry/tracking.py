@@ -442,33 +442,30 @@ def _versions(client, name: str) -> list:
 
 
 def check_registered_pair(client, name: str, tags: Mapping[str, str], what: str) -> None:
-    """Refuse to add a version of another model pair to registered model `name`.
+    """Refuse to add a translator between other models to registered model `name`.
+
+    Versions of one registered model translate between the same *named* models. A new revision or build of
+    those models is a new version, not another model: every version carries its exact pair signature, loading
+    checks it against the models at hand, and `promote_best` only ranks versions of the newest signature.
 
     Raises:
-        PairMismatchError: an existing version carries another pair fingerprint (or none: not kvlingo's).
+        PairMismatchError: an existing version is for other model names, or has no kvlingo pair signature.
     """
+    new_pair = f"{tags['source']} → {tags['target']}"
     for version in _versions(client, name):
         existing = version.tags
-        if existing.get(PAIR_TAG) == tags[PAIR_TAG]:
-            continue
-        new_pair = f"{tags['source']} → {tags['target']}"
         if PAIR_TAG not in existing:
             raise PairMismatchError(
                 f"registered model {name!r} version {version.version} has no kvlingo pair signature (registered "
                 f"outside kvlingo), so {what} ({new_pair}) cannot be added to it; register under another name"
             )
-        roles = [r for r in ("source", "target") if existing.get(f"kvlingo.{r}_sha256") != tags[f"kvlingo.{r}_sha256"]]
-        raise PairMismatchError(
-            f"registered model {name!r} holds translators for {existing.get('source')} → {existing.get('target')} "
-            f"(version {version.version}), but {what} is for {new_pair} ({_differ(roles)}). Versions of one registered model must share a model pair: register it under "
-            f"{pair_name(tags['source'], tags['target'])!r} (the default name) or another new name"
-        )
-
-
-def _differ(roles: list[str]) -> str:
-    if len(roles) == 2:
-        return "source and target signatures differ"
-    return f"{roles[0] if roles else 'pair'} signature differs"
+        if (existing.get("source"), existing.get("target")) != (tags["source"], tags["target"]):
+            raise PairMismatchError(
+                f"registered model {name!r} holds translators for {existing.get('source')} → {existing.get('target')} "
+                f"(version {version.version}), but {what} is for {new_pair}. Versions of one registered model "
+                f"translate between the same models: register it under {pair_name(tags['source'], tags['target'])!r} "
+                "(the default name) or another new name"
+            )
 
 
 def _pip_requirements() -> list[str]:
@@ -573,6 +570,9 @@ def set_alias(name: str, alias: str, version: int | str) -> None:
 def promote_best(name: str) -> dict[str, Any]:
     """Make the version with the lowest `val_kl` tag the `champion`; ties go to the newer version.
 
+    Only versions for the newest version's exact model pair compete: translators fitted for older revisions
+    or builds of the models cannot serve the current ones.
+
     Returns:
         {"name", "version", "val_kl"} of the champion.
     Raises:
@@ -582,15 +582,18 @@ def promote_best(name: str) -> dict[str, Any]:
     versions = _versions(client, name)
     if not versions:
         raise RegistryError(f"no registered model {name!r} (or it has no versions): register one with `log_translator_model`")
+    newest = max(versions, key=lambda v: int(v.version)).tags.get(PAIR_TAG)
     scored = []
     for version in versions:
+        if version.tags.get(PAIR_TAG) != newest:
+            continue
         with contextlib.suppress(KeyError, ValueError):
             value = float(version.tags["val_kl"])
             if math.isfinite(value):
                 scored.append((value, -int(version.version)))
     if not scored:
         raise RegistryError(
-            f"registered model {name!r} has no version with a val_kl tag: register translators with "
+            f"registered model {name!r} has no version of its newest model pair with a val_kl tag: register translators with "
             "`log_translator_model` (it tags the validation KL from the manifest)"
         )
     value, negative_version = min(scored)

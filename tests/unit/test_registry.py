@@ -212,15 +212,25 @@ def test_registering_another_pair_under_a_name_is_refused_before_any_logging(sto
     _, _, other = fake_fit(tmp_path, source=other_src, target=other_tgt)
     client = MlflowClient()
     runs_before = len(client.search_runs([e.experiment_id for e in client.search_experiments()]))
-    with pytest.raises(PairMismatchError, match=r"a → b.*c → d.*source and target signatures differ.*'c--d'"):
+    with pytest.raises(PairMismatchError, match=r"a → b.*c → d.*same models: register it under 'c--d'"):
         log_translator_model(other / "distilled", registered_name="a--b")
     assert [str(v.version) for v in client.search_model_versions("name = 'a--b'")] == ["1"]
     assert client.get_experiment_by_name("c--d") is None
     assert len(client.search_runs([e.experiment_id for e in client.search_experiments()])) == runs_before
-    # Same names, other weights identity: still another pair.
-    _, _, same_names = fake_fit(tmp_path, source={**SRC, "identity": {"gguf_sha256": "9" * 64}}, lr=1e-2)
-    with pytest.raises(PairMismatchError, match=r"\(source signature differs\)"):
-        log_translator_model(same_names / "closed_form")
+
+
+def test_a_rebuilt_model_gives_a_new_version_and_only_the_newest_pair_competes(store, tmp_path):
+    _, _, old = fake_fit(tmp_path, distilled_kl=0.05)
+    assert log_translator_model(old / "distilled") == "models:/a--b/1"
+    rebuilt = {**SRC, "identity": {"gguf_sha256": "9" * 64}}  # same name, other weights
+    _, _, new = fake_fit(tmp_path, source=rebuilt, lr=1e-2, distilled_kl=0.3)
+    assert log_translator_model(new / "distilled") == "models:/a--b/2"
+    # Version 1 has the lower KL but cannot serve the rebuilt model, so it does not compete.
+    assert promote_best("a--b") == {"name": "a--b", "version": 2, "val_kl": 0.3}
+    _, manifest = load_translator_uri("models:/a--b@champion", source_sig=rebuilt, target_sig=TGT)
+    assert manifest["pair"]["source"]["identity"] == rebuilt["identity"]
+    with pytest.raises(PairMismatchError, match=r"source\.identity"):
+        load_translator_uri("models:/a--b/1", source_sig=rebuilt, target_sig=TGT)
 
 
 def test_report_rows_duckdb_views_and_parquet(store, tmp_path):
