@@ -90,6 +90,7 @@ class TinyModelSpec:
     context_weight: float = 0.25
     copy_supervision: float = 1.0  # weight of the copy-head attention loss
     copy_heads: int = 1  # q-heads of the last layer that the copy loss supervises
+    grown_from: str | None = None  # start from this tiny model, grown by :func:`grow_qwen3`
 
 
 TINY_MODELS: dict[str, TinyModelSpec] = {
@@ -100,8 +101,8 @@ TINY_MODELS: dict[str, TinyModelSpec] = {
     ),
     "kvlingo-tiny-l": TinyModelSpec(
         num_hidden_layers=6, hidden_size=192, num_attention_heads=6, num_key_value_heads=3,
-        head_dim=32, intermediate_size=512, steps=1500, batch_size=2, seq_len=512, lr=3e-3,
-        seed=2, copy_heads=2,
+        head_dim=32, intermediate_size=512, steps=600, batch_size=2, seq_len=512, lr=1e-3,
+        seed=2, copy_heads=2, grown_from="kvlingo-tiny-s",
     ),
 }
 
@@ -135,9 +136,11 @@ def _tokenizer_recipe() -> dict:
 
 
 def _model_recipe(name: str) -> dict:
-    """Everything that determines a model build (its tokenizer included)."""
-    return {"recipe_version": RECIPE_VERSION, "name": name, "spec": asdict(_spec_for(name)),
-            "corpus_seed": CORPUS_SEED, "tokenizer": _tokenizer_recipe()}
+    """Everything that determines a model build (its tokenizer and the model it grows from included)."""
+    spec = _spec_for(name)
+    parent = _model_recipe(spec.grown_from) if spec.grown_from else None
+    return {"recipe_version": RECIPE_VERSION, "name": name, "spec": asdict(spec),
+            "corpus_seed": CORPUS_SEED, "tokenizer": _tokenizer_recipe(), "parent": parent}
 
 
 def recipe_hash(name: str) -> str:
@@ -475,18 +478,112 @@ def _progress_bar(enabled: bool, description: str, total: int):
     return progress, task
 
 
-def train_tiny_model(name: str, tokenizer, *, progress: bool = True, callback=None):
-    """Train ``name`` from scratch on the packed corpus and return (model, final mean loss).
+def _layer_placement(n_parent: int, n_child: int) -> list[int | None]:
+    """For each child layer, the parent layer it copies, or None for an inserted identity layer.
 
-    ``callback(step, model)``, if given, runs after every optimiser step (used for tuning).
+    Parent layer p lands at child index round(p (n_child - 1) / (n_parent - 1)): first and last
+    layers stay first and last (the last one holds the copy heads), inserted layers spread between.
+    """
+    placement: list[int | None] = [None] * n_child
+    for p in range(n_parent):
+        placement[round(p * (n_child - 1) / max(1, n_parent - 1))] = p
+    return placement
+
+
+def grow_qwen3(parent, config):
+    """A wider and deeper Qwen3 model computing the same function as ``parent``.
+
+    Function-preserving growth (Net2Net style): parent weights are copied into the leading
+    rows/columns; every weight that *writes* into the residual stream from a new unit (new
+    hidden dims, heads, MLP units, whole inserted layers) is zero, so new hidden dims stay exactly
+    zero and the logits are unchanged. RMSNorm gains are scaled by sqrt(d_parent / d_child)
+    because the zero dims shrink the root-mean-square by that factor. Weights that only *read*
+    keep their random init, so training can grow into the new capacity.
+
+    Shapes: q_proj (heads*hd, d), k_proj/v_proj (kv_heads*hd, d), o_proj (d, heads*hd),
+    gate/up (ffn, d), down (d, ffn); leading blocks are the parent's.
+
+    Raises:
+        ConfigError: ``config`` is not at least as large as the parent in every dimension, or
+            differs in vocabulary, head size or query heads per KV head.
+    """
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    _check_growable(parent.config, config)
+    child = Qwen3ForCausalLM(config).float()
+    d = parent.config.hidden_size
+    gain = math.sqrt(d / config.hidden_size)
+    q_rows = parent.config.num_attention_heads * parent.config.head_dim
+    kv_rows = parent.config.num_key_value_heads * parent.config.head_dim
+    ffn = parent.config.intermediate_size
+    with torch.no_grad():
+        child.model.embed_tokens.weight.zero_()[:, :d] = parent.model.embed_tokens.weight
+        child.lm_head.weight[:, :d] = parent.lm_head.weight  # a no-op when tied to the embedding
+        _copy_gain(child.model.norm.weight, parent.model.norm.weight, gain)
+        placement = _layer_placement(parent.config.num_hidden_layers, config.num_hidden_layers)
+        for layer, source in zip(child.model.layers, placement):
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            if source is None:
+                continue
+            old = parent.model.layers[source]
+            _copy_gain(layer.input_layernorm.weight, old.input_layernorm.weight, gain)
+            _copy_gain(layer.post_attention_layernorm.weight, old.post_attention_layernorm.weight, gain)
+            attn, old_attn = layer.self_attn, old.self_attn
+            attn.q_proj.weight[:q_rows, :d] = old_attn.q_proj.weight
+            attn.k_proj.weight[:kv_rows, :d] = old_attn.k_proj.weight
+            attn.v_proj.weight[:kv_rows, :d] = old_attn.v_proj.weight
+            attn.q_norm.weight.copy_(old_attn.q_norm.weight)
+            attn.k_norm.weight.copy_(old_attn.k_norm.weight)
+            attn.o_proj.weight[:d, :q_rows] = old_attn.o_proj.weight
+            layer.mlp.gate_proj.weight[:ffn, :d] = old.mlp.gate_proj.weight
+            layer.mlp.up_proj.weight[:ffn, :d] = old.mlp.up_proj.weight
+            layer.mlp.down_proj.weight[:d, :ffn] = old.mlp.down_proj.weight
+    return child
+
+
+def _copy_gain(child_gain, parent_gain, factor: float) -> None:
+    """RMSNorm gain of the wider stream: the parent's on the old dims, 1 on new ones, all times ``factor``."""
+    child_gain.fill_(1.0)[: parent_gain.numel()] = parent_gain
+    child_gain.mul_(factor)
+
+
+def _check_growable(parent, child) -> None:
+    """Raise ConfigError naming every dimension in which ``child`` cannot grow from ``parent``."""
+    problems = [f"{key} {getattr(parent, key)} -> {getattr(child, key)} must not shrink"
+                for key in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                            "num_attention_heads", "num_key_value_heads")
+                if getattr(child, key) < getattr(parent, key)]
+    problems += [f"{key} differs ({getattr(parent, key)} vs {getattr(child, key)})"
+                 for key in ("vocab_size", "head_dim") if getattr(child, key) != getattr(parent, key)]
+    if (parent.num_attention_heads // parent.num_key_value_heads
+            != child.num_attention_heads // child.num_key_value_heads):
+        problems.append("query heads per KV head differ")
+    if problems:
+        raise ConfigError("cannot grow the model: " + "; ".join(problems))
+
+
+def train_tiny_model(name: str, tokenizer, *, parent=None, progress: bool = True, callback=None):
+    """Train ``name`` on the packed corpus and return (model, final mean loss).
+
+    ``parent``: the built model named by the spec's ``grown_from`` (training starts from it,
+    grown); None for a model trained from scratch. ``callback(step, model)``, if given, runs
+    after every optimiser step (used for tuning).
+
+    Raises:
+        ConfigError: ``parent`` given for a model that does not grow, or missing for one that does.
     """
     import torch
     from transformers import Qwen3ForCausalLM
 
     spec = _spec_for(name)
+    if (parent is None) != (spec.grown_from is None):
+        raise ConfigError(f"{name} grows from {spec.grown_from}: pass exactly that parent model")
     torch.manual_seed(spec.seed)
     rows = _training_rows(tokenizer, spec)
-    model = Qwen3ForCausalLM(_qwen3_config(spec, tokenizer)).float()
+    config = _qwen3_config(spec, tokenizer)
+    model = grow_qwen3(parent, config) if parent is not None else Qwen3ForCausalLM(config).float()
     model.train()
     optimizer = _optimizer(model, spec)
     # The last layer: a copy head there writes the copied token straight into the unembedding.
@@ -533,29 +630,35 @@ def ensure_tiny_model(name: str, *, home: Path | None = None, progress: bool = T
     The directory loads with ``AutoModelForCausalLM.from_pretrained`` and
     ``AutoTokenizer.from_pretrained``. Unknown names raise :class:`ConfigError`.
     """
-    _spec_for(name)
+    spec = _spec_for(name)
     models_dir = Path(home if home is not None else kvlingo_home()) / "models"
     final = models_dir / name
     recipe = _model_recipe(name)
     if _read_build_hash(final) == _hash(recipe):
         return final
+    # Before taking the lock: building the parent takes it too, and it is not re-entrant.
+    parent_dir = ensure_tiny_model(spec.grown_from, home=home, progress=progress) if spec.grown_from else None
     with _build_lock(models_dir):
         if _read_build_hash(final) == _hash(recipe):  # another process built it while we waited
             return final
         tokenizer_dir = _ensure_tokenizer(models_dir)
         return _atomic_build(final, recipe, lambda tmp: _write_model(name, tokenizer_dir, tmp,
-                                                                     progress))
+                                                                     progress, parent_dir))
 
 
-def _write_model(name: str, tokenizer_dir: Path, out: Path, progress: bool) -> dict:
-    """Train ``name`` and save model + tokenizer into ``out``; returns extra build-json fields."""
+def _write_model(name: str, tokenizer_dir: Path, out: Path, progress: bool, parent_dir: Path | None) -> dict:
+    """Train ``name`` (from the model in ``parent_dir`` if it grows) and save model + tokenizer into ``out``.
+
+    Returns extra build-json fields.
+    """
     import torch
     import transformers
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    model, loss = train_tiny_model(name, tokenizer, progress=progress)
+    parent = AutoModelForCausalLM.from_pretrained(parent_dir) if parent_dir is not None else None
+    model, loss = train_tiny_model(name, tokenizer, parent=parent, progress=progress)
     _set_generation_config(model, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

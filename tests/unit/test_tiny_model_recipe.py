@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from transformers import Qwen3Config
 
 from infra.tiny_models import (
     ENDOFTEXT,
@@ -19,8 +20,11 @@ from infra.tiny_models import (
     _annotate,
     _AttentionTap,
     _copy_supervision_loss,
+    _layer_placement,
+    grow_qwen3,
 )
-from tiny_configs import tiny_model
+from tiny_configs import tiny_config, tiny_model
+from translators.errors import ConfigError
 
 IDS_OF = {ENDOFTEXT: 0, IM_START: 1, IM_END: 2, "assistant": 3}
 NEWLINE, USER = 9, 10
@@ -103,3 +107,35 @@ def test_copy_loss_is_zero_without_copy_targets():
     batch = {"input_ids": torch.tensor([[1, USER, 20, 2]]), "conv_start": torch.zeros(1, 4, dtype=torch.long),
              "copy_limit": torch.full((1, 4), -1)}
     assert _copy_supervision_loss(_UniformTap(), 1, batch).item() == 0.0
+
+
+def test_layer_placement_keeps_ends_and_spreads_new_layers():
+    assert _layer_placement(4, 6) == [0, None, 1, 2, None, 3]
+    assert _layer_placement(3, 3) == [0, 1, 2]
+    assert _layer_placement(3, 5) == [0, None, 1, None, 2]
+
+
+def test_grown_model_computes_the_parents_function_and_keeps_its_kv():
+    parent = tiny_model("qwen3", seed=4)
+    settings = {**parent.config.to_dict(), "hidden_size": 96, "intermediate_size": 160,
+                "num_attention_heads": 6, "num_key_value_heads": 3, "num_hidden_layers": 5, "layer_types": None}
+    wider = Qwen3Config(**settings)
+    torch.manual_seed(0)
+    child = grow_qwen3(parent, wider).eval()
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = parent(input_ids=ids), child(input_ids=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    # The parent's layers sit at child layers 0, 2 and 4; their leading KV heads are the parent's.
+    for p_layer, c_layer in ((0, 0), (1, 2), (2, 4)):
+        parent_keys = want.past_key_values.layers[p_layer].keys  # (batch, kv_heads, T, head_dim)
+        child_keys = got.past_key_values.layers[c_layer].keys
+        torch.testing.assert_close(child_keys[:, :2], parent_keys, rtol=1e-4, atol=1e-4)
+
+
+def test_grow_refuses_a_smaller_or_incompatible_config_naming_every_problem():
+    parent = tiny_model("qwen3", seed=4)
+    bad = tiny_config("qwen3", hidden_size=32)
+    bad.head_dim = 8
+    with pytest.raises(ConfigError, match=r"hidden_size 64 -> 32 must not shrink.*head_dim differs \(16 vs 8\)"):
+        grow_qwen3(parent, bad)
