@@ -170,7 +170,8 @@ def demo_flow(steps: int = 60, n_train: int = 600, n_val: int = 24, eval_limit: 
     fits = []
     for source, target in (DEMO_PAIR, DEMO_PAIR[::-1]):
         # 600 conversations: with fewer, stage 2 starts to overfit the maps within 60 steps on this pair.
-        config = FitConfig(source=source, target=target, data="embedded:1000", steps=steps, n_train=n_train, n_val=n_val, lr=3e-3,
+        # lr 1e-3: the closed form is already close on this pair, and 3e-3 overshot it (l→s 0.066 → 0.21 nats).
+        config = FitConfig(source=source, target=target, data="embedded:1000", steps=steps, n_train=n_train, n_val=n_val, lr=1e-3,
                            eval_every=max(1, steps // 3), checkpoint_every=max(1, steps // 3),
                            output_dir=demo_run_dir(source, target, steps))
         fits.append(fit_flow(config, eval_limit=eval_limit, data_dir=data_dir, ruler_lengths=[128, 256]))

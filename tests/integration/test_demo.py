@@ -60,3 +60,18 @@ def test_champions_reload_and_reproduce_their_logged_kl(demo_home, monkeypatch):
         src, tgt = plan.sides
         kl = validation_kl(src, tgt, plan.val_pairs, translator).mean
         assert kl == pytest.approx(manifest["fit"]["val_kl"][manifest["fit"]["stage"]], rel=1e-5, abs=1e-7)
+
+
+def test_segment_handoff_stays_near_reprefill_and_translates_each_span_once(demo_home, monkeypatch):
+    home, _, result = demo_home
+    monkeypatch.setenv("KVLINGO_HOME", str(home))
+    from flows.multiturn import run_multiturn
+
+    (ab, ba) = (Path(fit["run_dir"]) for fit in result["fits"])
+    out = run_multiturn("kvlingo-tiny-l", "kvlingo-tiny-s", fit_dir_ab=ab, fit_dir_ba=ba, n_conversations=4, turns=8)
+    modes = out["modes"]
+    print({mode: [round(x, 2) for x in row["per_turn"]] for mode, row in modes.items()})
+    assert modes["reprefill"]["mean"] >= 0.75  # the pair recalls what it read itself
+    assert modes["segment"]["mean"] >= modes["reprefill"]["mean"] - 0.15
+    assert modes["segment"]["max_times_a_span_was_translated"] == 1
+    assert modes["naive"]["max_times_a_span_was_translated"] == 7
