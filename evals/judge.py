@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 import httpx
 
 from evals.errors import require_file
-from evals.metrics import mean_se
+from evals.metrics import mean_se, paired_by_id
 from translators.errors import ConfigError, PrefixTooLongError
 
 MT_BENCH_HELP = ("MT-Bench files (question.jsonl, judge_prompts.jsonl, reference_answer/gpt-4.jsonl) are in "
@@ -310,44 +311,63 @@ class LocalHFJudge:
 
 @dataclass
 class JudgeResult:
-    """Ratings per item (None = unparseable verdict), the raw verdicts, and mean ± se over parsed ratings.
+    """Ratings per item id (None = unparseable verdict), the raw verdicts per item id, and mean ± se over the
+    parsed ratings.
 
     mean and se are None when no verdict parsed; n is the number of parsed ratings.
     """
 
-    ratings: list[float | None]
-    verdicts: list[str]
+    ratings: dict[str, float | None]
+    verdicts: dict[str, str]
     n_unparseable: int
     mean: float | None
     se: float | None
     n: int
 
+    def scores(self) -> dict[str, float]:
+        """The parsed ratings, item id -> rating (the condition's per-item scores for evals.metrics.score_row)."""
+        return {item_id: r for item_id, r in self.ratings.items() if r is not None}
+
 
 def judge_answers(judge: Judge, items: Sequence[JudgeItem],
                   templates: Mapping[str, JudgeTemplate]) -> JudgeResult:
-    """Grade each item once with the judge and summarise.
+    """Grade each item once with the judge and summarise, keyed by item id.
 
     Raises:
-        ConfigError: no items, or a needed template is missing.
+        ConfigError: no items, two items with the same id, or a needed template is missing.
         JudgeUnavailableError: (from an endpoint judge) the judge cannot be reached; no partial result.
     """
     if not items:
         raise ConfigError("no items to judge")
+    _check_distinct_ids(items)
     prompts = [render_judge_prompt(item, templates) for item in items]  # all template problems before any call
-    verdicts = [judge.complete(system, user) for system, user in prompts]
-    ratings = [parse_rating(v) for v in verdicts]
-    parsed = [r for r in ratings if r is not None]
+    verdicts = {item.id: judge.complete(system, user) for item, (system, user) in zip(items, prompts)}
+    ratings = {item_id: parse_rating(v) for item_id, v in verdicts.items()}
+    parsed = [r for r in ratings.values() if r is not None]
     mean, se = mean_se(parsed) if parsed else (None, None)
     return JudgeResult(ratings, verdicts, len(ratings) - len(parsed), mean, se, len(parsed))
 
 
-def paired_ratings(a: Sequence[float | None], b: Sequence[float | None]) -> tuple[list[float], list[float]]:
-    """The items rated in both conditions, as two aligned lists (for paired_bootstrap_ci).
+def _check_distinct_ids(items: Sequence[JudgeItem]) -> None:
+    """Raises ConfigError naming ids shared by several items (ratings are keyed, and paired, by id)."""
+    repeated = sorted(item_id for item_id, count in Counter(item.id for item in items).items() if count > 1)
+    if repeated:
+        raise ConfigError(f"judge items need distinct ids (conditions are paired by item id); repeated: {repeated}")
+
+
+def paired_ratings(a: Mapping[str, float | None],
+                   b: Mapping[str, float | None]) -> tuple[list[float], list[float]]:
+    """The items rated in both conditions, aligned by item id (sorted), as two lists for paired_bootstrap_ci.
+
+    An item unparseable (None) or absent in either condition is left out of both.
 
     Raises:
-        ConfigError: the two rating lists differ in length (they must cover the same items).
+        ConfigError: an argument is not a mapping item id -> rating.
     """
-    if len(a) != len(b):
-        raise ConfigError(f"rating lists cover different items: {len(a)} vs {len(b)}")
-    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
-    return [x for x, _ in pairs], [y for _, y in pairs]
+    for name, ratings in (("a", a), ("b", b)):
+        if not isinstance(ratings, Mapping):
+            raise ConfigError(f"ratings {name} must map item id -> rating, got {type(ratings).__name__}")
+    parsed_a = {item_id: r for item_id, r in a.items() if r is not None}
+    parsed_b = {item_id: r for item_id, r in b.items() if r is not None}
+    _, xs, ys = paired_by_id(parsed_a, parsed_b)
+    return xs.tolist(), ys.tolist()

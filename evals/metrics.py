@@ -5,6 +5,10 @@ Error bars follow KV-Lingo App. E.1: the standard error of a score over its eval
 deviation / sqrt(n)); a score averaged over disjoint item sets combines its parts' standard errors as
 sqrt(sum_j w_j^2 se_j^2). Paired differences follow the second paper (§4): a percentile bootstrap over items
 (10,000 resamples, 95% CI) of the mean per-item difference between two conditions on the same items.
+
+A condition's per-item scores are keyed by item id (`ItemScores`, item id -> score): a condition may fail an
+item (an unparseable verdict, a missing metric), and pairing two conditions by position after such drops would
+compare different items. `paired_by_id` keeps the ids scored in both and aligns them.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import math
 import re
 import string
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +25,9 @@ import numpy as np
 from scipy import stats
 
 from translators.errors import ConfigError
+
+ItemScores = Mapping[str, float]
+"""One condition's per-item scores, item id -> score; an item the condition failed is absent."""
 
 # ---------------------------------------------------------------------------------------------------------------
 # Text answers (SQuAD-style normalisation)
@@ -250,6 +257,29 @@ def paired_bootstrap_ci(
     return float(diff.mean()), float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
+def paired_by_id(translated: ItemScores, native: ItemScores) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """The items scored in both conditions, aligned by id: (ids in sorted order, translated [n], native [n]).
+
+    An item either condition lacks is left out of both vectors, so position i of the two always scores the same
+    item (the input paired_bootstrap_ci expects).
+
+    Raises:
+        ConfigError: either argument is not a mapping of item id -> score.
+    """
+    _check_item_scores(translated, "translated")
+    _check_item_scores(native, "native")
+    ids = sorted(set(translated) & set(native))
+    return (ids, np.array([translated[i] for i in ids], dtype=np.float64),
+            np.array([native[i] for i in ids], dtype=np.float64))
+
+
+def _check_item_scores(scores: Any, name: str) -> None:
+    """Raises ConfigError when `scores` is not a mapping item id -> score (e.g. a positional array)."""
+    if not isinstance(scores, Mapping):
+        raise ConfigError(f"{name} must map item id -> score so conditions pair up by item, got "
+                          f"{type(scores).__name__}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Per-token quantities: NLL, perplexity, KL
 # ---------------------------------------------------------------------------------------------------------------
@@ -309,8 +339,9 @@ class ScoreRow:
 
     Public keys of to_dict(): benchmark, condition, score, se, n, ci_low, ci_high, extra.
     score ± se is the condition's own mean over items. ci_low/ci_high bound the paired difference
-    score − target-native score on the same items (set for translated conditions, null otherwise); the point
-    difference is extra["delta"] when built by score_row. extra holds free-form details.
+    condition − target native over the item ids both scored (set for translated conditions, null otherwise);
+    score_row puts the point difference in extra["delta"] and the number of shared items in extra["n_paired"].
+    extra holds free-form details.
     """
 
     benchmark: str
@@ -359,22 +390,29 @@ def _plain(value: Any) -> Any:
 def score_row(
     benchmark: str,
     condition: str,
-    per_item: Sequence[float] | np.ndarray,
-    native: Sequence[float] | np.ndarray | None = None,
+    per_item: ItemScores,
+    native: ItemScores | None = None,
     **bootstrap_kwargs: Any,
 ) -> ScoreRow:
-    """A ScoreRow from per-item scores; with `native` per-item scores on the same items, also the paired CI of
-    the difference (stored as ci_low/ci_high; the point difference goes to extra["delta"]).
+    """A ScoreRow from one condition's per-item scores (item id -> score); with `native` (the reference
+    condition's per-item scores), also the paired difference over the items scored in both, aligned by id.
+
+    score, se and n describe the condition's own items; extra["delta"] (the point difference), ci_low/ci_high
+    (its paired bootstrap CI) and extra["n_paired"] cover the ids present in both conditions only.
 
     bootstrap_kwargs: confidence, n_resamples, seed of paired_bootstrap_ci.
 
     Raises:
-        ConfigError: as mean_se, and as paired_bootstrap_ci when `native` is given.
+        ConfigError: per_item or native not a mapping; as mean_se; with `native`, as paired_bootstrap_ci on
+            the shared items (fewer than two of them, among others).
     """
-    mean, se = mean_se(per_item)
-    row = ScoreRow(benchmark, condition, mean, se, int(np.size(per_item)))
+    _check_item_scores(per_item, "per_item")
+    mean, se = mean_se(list(per_item.values()))
+    row = ScoreRow(benchmark, condition, mean, se, len(per_item))
     if native is not None:
-        delta, low, high = paired_bootstrap_ci(per_item, native, **bootstrap_kwargs)
+        ids, translated, reference = paired_by_id(per_item, native)
+        delta, low, high = paired_bootstrap_ci(translated, reference, **bootstrap_kwargs)
         row.ci_low, row.ci_high = low, high
         row.extra["delta"] = delta
+        row.extra["n_paired"] = len(ids)
     return row

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from infra.settings import apply_offline_defaults
+from infra.settings import apply_offline_defaults, stop_local_services
 from translators.errors import KvlingoError
 
 app = typer.Typer(
@@ -473,7 +473,10 @@ def sweep(
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    finally:
+        stop_local_services()  # before interpreter exit, so their shutdown logs reach open streams
 
 
 if __name__ == "__main__":

@@ -129,8 +129,14 @@ def run_ray(
     use_gpu: bool = False,
     ray_address: str | None = None,
     stop_after: int | None = None,
+    threads_per_worker: int | None = None,
 ) -> tuple[Translator, list[dict[str, Any]]]:
-    """Train with Ray Train; returns the trained translator (rank 0's maps) and its history."""
+    """Train with Ray Train; returns the trained translator (rank 0's maps) and its history.
+
+    `threads_per_worker` sets torch's CPU threads in each worker (default: this machine's cores over the
+    workers); a matrix product's rounding can depend on the thread count, so a bit-exact comparison with
+    `run_single` pins the same count in both.
+    """
     import json
 
     from ray.train import RunConfig, ScalingConfig
@@ -152,7 +158,7 @@ def run_ray(
         "run_signature": run_signature,
         "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None,
         "result_dir": str(result_dir),
-        "threads_per_worker": max(1, (os.cpu_count() or 1) // workers),
+        "threads_per_worker": threads_per_worker or max(1, (os.cpu_count() or 1) // workers),
         "stop_after": stop_after,
     }
     trainer = TorchTrainer(

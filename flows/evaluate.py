@@ -3,7 +3,8 @@
 Conditions: `target_native`, `source_native`, and one translated condition per translator: `closed_form` and
 `distilled` from the pair's fit directory when present, plus any `--translator` (a path, a registry URI, or
 `identity` for a model translated into itself). Translated rows carry the paired bootstrap CI of
-(translated − target_native) on the same items.
+(translated − target_native) on the same items: every benchmark returns each condition's scores keyed by item
+id, and the pairing keeps the ids both conditions scored (a condition may fail an item the other scored).
 
 Composition only: items, metrics and conditions live in evals/, the numerics in translators/.
 """
@@ -17,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,6 +35,9 @@ NEEDS_DATA = {
     "mt_bench_judge": "mt_bench/question.jsonl",
 }
 LM_EVAL_TASKS = {"mmlu_pro": "kvlingo_mmlu_pro", "arc_challenge": "kvlingo_arc_challenge", "gsm8k": "kvlingo_gsm8k"}
+# The lm-eval filter whose per-item metric is the benchmark's score ("none": the task has no filter list).
+LM_EVAL_FILTERS = {"mmlu_pro": "none", "arc_challenge": "none", "gsm8k": "strict-match"}
+LM_EVAL_METRICS = {"mmlu_pro": "acc", "arc_challenge": "acc", "gsm8k": "exact_match"}
 
 
 class EvalConfig(BaseModel):
@@ -164,8 +167,11 @@ def _generate(condition, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> s
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
-# -- benchmarks: each returns {condition: per-item scores} -------------------------------------------------------
-def bench_val_kl(config, conditions, source, target) -> dict[str, dict[str, np.ndarray]]:
+# -- benchmarks: each returns {benchmark: {condition: {item id: score}}} -----------------------------------------
+ItemScores = dict[str, float]
+
+
+def bench_val_kl(config, conditions, source, target) -> dict[str, dict[str, ItemScores]]:
     """Per-sample mean KL(target native ‖ condition) over held-out continuations (lower is better)."""
     from infra.conversations import load_conversations
     from infra.samples import build_samples
@@ -176,17 +182,17 @@ def bench_val_kl(config, conditions, source, target) -> dict[str, dict[str, np.n
     corpus = load_conversations("embedded", limit=4 * config.limit, seed=10_000 + config.seed)
     samples = build_samples(corpus, target.tokenizer, seed=config.seed, max_prefix_tokens=512, max_continuation_tokens=48,
                             prefix_tokens=32, continuation_tokens=8)[: config.limit]
-    scores: dict[str, list[float]] = {name: [] for name in conditions}
+    scores: dict[str, ItemScores] = {name: {} for name in conditions}
     with torch.no_grad():
-        for s in samples:
+        for i, s in enumerate(samples):
             teacher = teacher_logits(target.model, s.prefix_ids, s.continuation_ids)
             for name, condition in conditions.items():
                 if name == "target_native":
-                    scores[name].append(0.0)
+                    scores[name][str(i)] = 0.0
                     continue
                 student = _condition_logits(condition, s.prefix_ids, s.continuation_ids)
-                scores[name].append(kl_per_position(teacher, student).mean().item())
-    return {"val_kl": {k: np.asarray(v) for k, v in scores.items()}}
+                scores[name][str(i)] = kl_per_position(teacher, student).mean().item()
+    return {"val_kl": scores}
 
 
 def _condition_logits(condition, prefix, continuation) -> torch.Tensor:
@@ -195,33 +201,33 @@ def _condition_logits(condition, prefix, continuation) -> torch.Tensor:
     return continuation_logits(condition, prefix, continuation)
 
 
-def bench_recall(config, conditions, source, target) -> dict[str, dict[str, np.ndarray]]:
+def bench_recall(config, conditions, source, target) -> dict[str, dict[str, ItemScores]]:
     """Held-out synthetic recall/QA items (facts, needles, grounded QA): gold answer in the first line."""
     from infra.synthetic_chat import recall_items
 
     items = recall_items(config.limit, seed=config.seed)
-    scores = {name: [] for name in conditions}
-    for item in items:
+    scores: dict[str, ItemScores] = {name: {} for name in conditions}
+    for i, item in enumerate(items):
         ids = messages_prompt(target.tokenizer, item.messages)
         gold = item.answer.strip().rstrip(".")
         for name, condition in conditions.items():
             text = _generate(condition, target.tokenizer, ids, config.max_new_tokens)
-            scores[name].append(float(gold.lower() in text.strip().split("\n")[0].lower()))
-    return {"recall": {k: np.asarray(v) for k, v in scores.items()}}
+            scores[name][str(i)] = float(gold.lower() in text.strip().split("\n")[0].lower())
+    return {"recall": scores}
 
 
-def _ruler(config, conditions, target, haystack: str) -> dict[str, dict[str, np.ndarray]]:
+def _ruler(config, conditions, target, haystack: str) -> dict[str, dict[str, ItemScores]]:
     from evals.ruler import build_ruler_items, score_ruler
 
     essay = Path(config.data_dir) / NEEDS_DATA["ruler_essay"] if haystack == "essay" else None
     items = build_ruler_items(target.tokenizer, config.ruler_lengths, config.limit, haystack=haystack, essay_path=essay, seed=config.seed)
-    out: dict[str, dict[str, list[float]]] = {}
-    for item in items:
+    out: dict[str, dict[str, ItemScores]] = {}
+    for i, item in enumerate(items):
         ids = chat_prompt(target.tokenizer, item.prompt(), item.answer_prefix)
-        bucket = out.setdefault(f"ruler_{haystack}_{item.length}", {n: [] for n in conditions})
+        bucket = out.setdefault(f"ruler_{haystack}_{item.length}", {n: {} for n in conditions})
         for name, condition in conditions.items():
-            bucket[name].append(score_ruler(_generate(condition, target.tokenizer, ids, 12), item))
-    return {bench: {k: np.asarray(v) for k, v in per.items()} for bench, per in out.items()}
+            bucket[name][str(i)] = score_ruler(_generate(condition, target.tokenizer, ids, 12), item)
+    return out
 
 
 def bench_ruler_noise(config, conditions, source, target):
@@ -232,35 +238,50 @@ def bench_ruler_essay(config, conditions, source, target):
     return _ruler(config, conditions, target, "essay")
 
 
-def bench_lm_eval(names: list[str], config, conditions, target) -> dict[str, dict[str, np.ndarray]]:
-    """Local MMLU-Pro / ARC-Challenge / GSM8K through the lm-eval adapter, per item, for every condition."""
+def bench_lm_eval(names: list[str], config, conditions, target) -> dict[str, dict[str, ItemScores]]:
+    """Local MMLU-Pro / ARC-Challenge / GSM8K through the lm-eval adapter, per item (keyed by lm-eval's doc id),
+    for every condition. An item whose metric a condition did not produce is absent from that condition."""
     from evals.lm_eval_adapter import KvlingoLM
     from evals.lm_eval_tasks import materialise_tasks, run_lm_eval
 
     tasks_dir = Path(tempfile.mkdtemp(prefix="kvlingo-lm-eval-"))
     task_names = [LM_EVAL_TASKS[n] for n in names]
     materialise_tasks(Path(config.data_dir), tasks_dir, limit=config.limit, tasks=task_names)
-    out: dict[str, dict[str, np.ndarray]] = {n: {} for n in names}
+    out: dict[str, dict[str, ItemScores]] = {n: {} for n in names}
     max_len = target.layout.max_positions
     for cname, condition in conditions.items():
         lm = KvlingoLM(condition, target.tokenizer, max_gen_toks=min(64, max_len // 4), show_progress=False)
         results = run_lm_eval(lm, task_names, include_path=tasks_dir, limit=config.limit, per_item=True,
                               gen_kwargs={"max_gen_toks": min(64, max_len // 4)} if "gsm8k" in names else None)
         for name, task in zip(names, task_names):
-            metric = "exact_match" if name == "gsm8k" else "acc"
-            items = [it for it in results[task]["items"] if it.get(metric) is not None]
-            if name == "gsm8k":
-                items = [it for it in items if it.get("filter") in ("strict-match", None)] or items
-            out[name][cname] = np.asarray([float(it[metric]) for it in sorted(items, key=lambda it: it["doc_id"])])
+            out[name][cname] = lm_eval_item_scores(results[task]["items"], LM_EVAL_METRICS[name], LM_EVAL_FILTERS[name])
     return out
 
 
-def bench_xquad(config, conditions, source, target) -> dict[str, dict[str, np.ndarray]]:
+def lm_eval_item_scores(items: list[dict[str, Any]], metric: str, filter_name: str) -> ItemScores:
+    """doc id -> `metric` of run_lm_eval's per-item records under one filter; records without the metric are
+    left out (the condition did not score that item).
+
+    Raises:
+        ConfigError: a doc id appears twice under the filter.
+    """
+    scores: ItemScores = {}
+    for item in items:
+        if item.get("filter") != filter_name or item.get(metric) is None:
+            continue
+        doc_id = str(item["doc_id"])
+        if doc_id in scores:
+            raise ConfigError(f"lm-eval logged doc {doc_id} twice under filter {filter_name!r}: cannot pair it by id")
+        scores[doc_id] = float(item[metric])
+    return scores
+
+
+def bench_xquad(config, conditions, source, target) -> dict[str, dict[str, ItemScores]]:
     """CoQA-style grounded multi-turn QA from XQuAD paragraphs, single switch per turn: token F1."""
     from evals.qa import chat_messages, load_xquad, score_turn
 
     conversations = load_xquad(Path(config.data_dir) / NEEDS_DATA["xquad_multiturn"], limit=config.limit, max_turns=3)
-    scores = {name: [] for name in conditions}
+    scores: dict[str, ItemScores] = {name: {} for name in conditions}
     for conv in conversations:
         golds = [turn.golds[0] for turn in conv.turns]
         for t, turn in enumerate(conv.turns):
@@ -269,12 +290,13 @@ def bench_xquad(config, conditions, source, target) -> dict[str, dict[str, np.nd
                 continue
             for name, condition in conditions.items():
                 prediction = _generate(condition, target.tokenizer, ids, config.max_new_tokens)
-                scores[name].append(score_turn(prediction, turn)["f1"])
-    return {"xquad_multiturn_f1": {k: np.asarray(v) for k, v in scores.items()}}
+                scores[name][f"{conv.id}/{t}"] = score_turn(prediction, turn)["f1"]
+    return {"xquad_multiturn_f1": scores}
 
 
-def bench_judge(config, conditions, source, target) -> dict[str, dict[str, np.ndarray]]:
-    """MT-Bench single-answer grading (1–10) of each condition's answer to the first turn."""
+def bench_judge(config, conditions, source, target) -> dict[str, dict[str, Any]]:
+    """MT-Bench single-answer grading (1–10) of each condition's answer to the first turn, keyed by question id;
+    a question whose verdict did not parse is absent from that condition (and counted in "_extra")."""
     from evals.judge import (
         LocalHFJudge,
         OpenAICompatibleJudge,
@@ -299,7 +321,7 @@ def bench_judge(config, conditions, source, target) -> dict[str, dict[str, np.nd
         answers = {q.question_id: _generate(condition, target.tokenizer, chat_prompt(target.tokenizer, q.turns[0]),
                                             config.max_new_tokens * 4) for q in questions}
         result = judge_answers(judge, mt_bench_items(questions, answers), templates)
-        out[name] = np.asarray([r for r in result.ratings if r is not None], dtype=float)
+        out[name] = result.scores()
         extra[name] = {"n_unparseable": result.n_unparseable}
     return {"mt_bench_judge": out, "_extra": extra}
 
@@ -314,8 +336,9 @@ BENCH_FUNCTIONS: dict[str, Callable] = {
 }
 
 
-def rows_for(benchmark: str, per_condition: dict[str, np.ndarray], extra: dict | None = None) -> list[dict[str, Any]]:
-    """Tidy rows; translated conditions get the paired CI of (condition − target_native) on the same items."""
+def rows_for(benchmark: str, per_condition: dict[str, ItemScores], extra: dict | None = None) -> list[dict[str, Any]]:
+    """Tidy rows; translated conditions get the paired CI of (condition − target_native) over the item ids both
+    scored, aligned by id (when at least two are shared)."""
     from evals.metrics import score_row
 
     rows = []
@@ -323,7 +346,7 @@ def rows_for(benchmark: str, per_condition: dict[str, np.ndarray], extra: dict |
     for name, items in per_condition.items():
         if len(items) == 0:
             continue
-        paired = native is not None and name not in ("target_native", "source_native") and len(native) == len(items) and len(items) >= 2
+        paired = native is not None and name not in ("target_native", "source_native") and len(native.keys() & items.keys()) >= 2
         row = score_row(benchmark, name, items, native=native if paired else None).to_dict()
         if extra and name in extra:
             row["extra"] = {**row.get("extra", {}), **extra[name]}

@@ -44,3 +44,26 @@ def apply_offline_defaults() -> None:
         os.environ.setdefault(key, value)
     os.environ.setdefault("PREFECT_HOME", str(kvlingo_home() / "prefect"))
     Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+
+
+def stop_local_services() -> None:
+    """Stop the services kvlingo started in this process: Prefect's temporary API server and local Ray.
+
+    Both otherwise stop from `atexit` handlers, which run after a host such as pytest has closed its output
+    streams; their shutdown log lines then fail with "I/O operation on closed file". Entry points call this
+    while their streams are still open. A no-op for a service this process never imported.
+    """
+    import sys
+
+    if "prefect.server.api.server" in sys.modules:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        # Prefect keeps its temporary servers in this class-level table (one per port) and has no public
+        # "stop all"; stop() removes each from the table.
+        for server in list(SubprocessASGIServer._instances.values()):
+            server.stop()
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()

@@ -4,7 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_configs.py
 
-from infra.settings import apply_offline_defaults  # noqa: E402
+from infra.settings import apply_offline_defaults, stop_local_services  # noqa: E402
 
 apply_offline_defaults()  # before torch loads: OMP_WAIT_POLICY is read once, at import
 
@@ -12,6 +12,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 # Two cores: keep torch from oversubscribing when helpers or Ray workers run beside the tests.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _local_services_stop_with_the_session():
+    """Stop Prefect's temporary server and local Ray while pytest's streams are still open (not at exit)."""
+    yield
+    stop_local_services()
+
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

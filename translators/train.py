@@ -143,16 +143,27 @@ class Trainer:
             NonFiniteError: the loss or the gradient is NaN/Inf (no update is applied).
         """
         indices = step_indices(step, self.settings.batch, len(self.train), self.settings.seed)
-        self.optimizer.zero_grad(set_to_none=False)
+        # Per-sample gradients are summed in fp64 and rounded to fp32 once, after the cross-worker sum. Summing
+        # fp32 gradients in fp32 makes the result depend on the order of the additions, which differs between
+        # one process (g1+…+gB in turn) and W workers (per-share sums, then the all-reduce); in fp64 the
+        # rounding error is ~1e-16 relative, far below fp32's ulp, so both orders round to the same fp32
+        # gradient and the trajectories agree bit for bit (tests/integration/test_ray_distill.py).
+        grad_sums = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]  # same shapes as the maps
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i in worker_share(indices, self.rank, self.world):
+            self.optimizer.zero_grad(set_to_none=True)
             loss = self._sample_loss(i) / self.settings.batch
             loss.backward()
+            for total, p in zip(grad_sums, self.params):
+                if p.grad is not None:  # a map whose target layer this sample never reads
+                    total += p.grad
             loss_sum += loss.detach().double()
         if self.reduce is not None:
-            for p in self.params:
-                self.reduce(p.grad)
+            for total in grad_sums:
+                self.reduce(total)
             self.reduce(loss_sum)
+        for total, p in zip(grad_sums, self.params):
+            p.grad = total.to(p.dtype)
         loss_value = float(loss_sum)
         if not math.isfinite(loss_value):
             raise NonFiniteError(

@@ -103,14 +103,27 @@ class _CannedJudge:
 
 def test_judge_answers_counts_unparseable(short_templates):
     judge = _CannedJudge(["Rating: [[4]]", "no verdict", "Rating: [[6]]"])
-    items = [JudgeItem("q1", "a1"), JudgeItem("q2", "a2"), JudgeItem("q3", "a3", reference="r3")]
+    items = [JudgeItem("q1", "a1", id="1"), JudgeItem("q2", "a2", id="2"), JudgeItem("q3", "a3", reference="r3", id="3")]
     result = judge_answers(judge, items, short_templates)
-    assert result.ratings == [4.0, None, 6.0] and result.n_unparseable == 1 and result.n == 2
+    assert result.ratings == {"1": 4.0, "2": None, "3": 6.0} and result.n_unparseable == 1 and result.n == 2
+    assert result.scores() == {"1": 4.0, "3": 6.0} and result.verdicts["2"] == "no verdict"
     assert result.mean == 5.0 and result.se == pytest.approx(1.0)  # std([4, 6]) / sqrt(2)
     assert judge.prompts[2] == ("w1", "w2 q3 w4 r3 w3 a3")
-    assert paired_ratings(result.ratings, [5.0, 5.0, None]) == ([4.0], [5.0])
+    assert paired_ratings(result.ratings, {"1": 5.0, "2": 5.0, "3": None}) == ([4.0], [5.0])
     with pytest.raises(ConfigError, match="no items"):
         judge_answers(judge, [], short_templates)
+    with pytest.raises(ConfigError, match=r"distinct ids.*\['7'\]"):
+        judge_answers(judge, [JudgeItem("q1", "a1", id="7"), JudgeItem("q2", "a2", id="7")], short_templates)
+
+
+def test_paired_ratings_align_by_item_id_when_conditions_fail_different_items():
+    # Condition a fails item 2, condition b fails item 5 (and lists item 9 that a never rated): the pairs are
+    # the items rated in both, matched by id whatever the order the ratings were recorded in.
+    a = {"1": 4.0, "2": None, "3": 6.0, "4": 7.0, "5": 8.0, "6": 3.0}
+    b = {"6": 5.0, "5": None, "4": 8.0, "3": 6.0, "2": 9.0, "1": 5.0, "9": 2.0}
+    assert paired_ratings(a, b) == ([4.0, 6.0, 7.0, 3.0], [5.0, 6.0, 8.0, 5.0])
+    with pytest.raises(ConfigError, match="item id"):
+        paired_ratings([4.0, None], [5.0, 5.0])
 
 
 # --- OpenAI-compatible endpoint -------------------------------------------------------------------------------
@@ -169,11 +182,11 @@ def fake_server():
 def test_openai_compatible_judge_parses_verdicts(fake_server, mt_templates):
     server = fake_server([(200, "Helpful and correct. Rating: [[8]]"), (200, "Rating: [[8.5]]"),
                           (200, "I cannot judge this."), (200, "Rating: [[1996]]")])
-    items = [JudgeItem("Name a primary colour.", "Red is one."), JudgeItem("q2", "a2"),
-             JudgeItem("q3", "a3"), JudgeItem("What is 3*4?", "12", reference="3*4 = 12")]
+    items = [JudgeItem("Name a primary colour.", "Red is one.", id="81"), JudgeItem("q2", "a2", id="82"),
+             JudgeItem("q3", "a3", id="83"), JudgeItem("What is 3*4?", "12", reference="3*4 = 12", id="84")]
     with OpenAICompatibleJudge(server.url, "judge-model", api_key="sk-test", timeout=10) as judge:
         result = judge_answers(judge, items, mt_templates)
-    assert result.ratings == [8.0, 8.5, None, None] and result.n_unparseable == 2
+    assert result.ratings == {"81": 8.0, "82": 8.5, "83": None, "84": None} and result.n_unparseable == 2
     assert result.mean == 8.25 and result.se == pytest.approx(0.25)
     first = server.requests[0]
     assert first["path"] == "/v1/chat/completions" and first["auth"] == "Bearer sk-test"
@@ -225,11 +238,11 @@ def test_bad_judge_settings():
 
 def test_local_hf_judge_garbage_is_counted_unparseable(short_templates):
     judge = LocalHFJudge(tiny_model("llama"), tiny_tokenizer(), max_new_tokens=4)
-    items = [JudgeItem("w5 w6", "w7"), JudgeItem("w8", "w9", reference="w10")]
+    items = [JudgeItem("w5 w6", "w7", id="1"), JudgeItem("w8", "w9", reference="w10", id="2")]
     result = judge_answers(judge, items, short_templates)
-    assert result.n_unparseable == 2 and result.ratings == [None, None]
+    assert result.n_unparseable == 2 and result.ratings == {"1": None, "2": None}
     assert result.mean is None and result.se is None and result.n == 0
-    for verdict in result.verdicts:
+    for verdict in result.verdicts.values():
         assert 1 <= len(verdict.split()) <= 4  # greedy, at most max_new_tokens word tokens
     assert judge_answers(judge, items, short_templates).verdicts == result.verdicts  # greedy is deterministic
 

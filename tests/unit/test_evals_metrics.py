@@ -9,8 +9,8 @@ import torch
 from scipy import stats
 
 from evals.metrics import (ScoreRow, accuracy, binomial_se, combine_disjoint, correct, exact_match, gold_in_answer,
-                           mean_se, normalize_answer, paired_bootstrap_ci, per_item_means, perplexity, score_row,
-                           token_f1, token_nll)
+                           mean_se, normalize_answer, paired_bootstrap_ci, paired_by_id, per_item_means, perplexity,
+                           score_row, token_f1, token_nll)
 from translators.errors import ConfigError
 
 # --- text answers ---------------------------------------------------------------------------------------------
@@ -210,13 +210,34 @@ def test_score_row_to_dict_is_json_and_has_public_keys():
         ScoreRow("arc", "distilled", 0.5, 0.1, 10, ci_low=0.1)
 
 
+def _by_id(values):
+    return {f"{i:02d}": float(v) for i, v in enumerate(values)}
+
+
 def test_score_row_with_native_carries_paired_ci():
     translated, native = _paired_sample(n=40)
-    row = score_row("coqa", "distilled", translated, native, n_resamples=500)
+    row = score_row("coqa", "distilled", _by_id(translated), _by_id(native), n_resamples=500)
     delta, low, high = paired_bootstrap_ci(translated, native, n_resamples=500)
-    assert row.score == pytest.approx(translated.mean()) and row.n == 40
+    assert row.score == pytest.approx(translated.mean()) and row.n == 40 and row.extra["n_paired"] == 40
     assert (row.ci_low, row.ci_high, row.extra["delta"]) == (low, high, delta)
-    assert score_row("coqa", "target_native", native).ci_low is None
+    assert score_row("coqa", "target_native", _by_id(native)).ci_low is None
+    with pytest.raises(ConfigError, match="item id"):
+        score_row("coqa", "distilled", translated, _by_id(native))
+
+
+def test_score_row_pairs_conditions_by_item_id_not_by_position():
+    # The translated condition failed item "5", the native one item "2": the paired difference covers
+    # items 0, 1, 3, 4, 6, 7 only, each translated score against the native score of the same item.
+    translated = {"0": 0.9, "1": 0.4, "2": 0.7, "3": 0.5, "4": 0.8, "6": 0.3, "7": 0.6}
+    native = {"0": 1.0, "1": 0.6, "3": 0.5, "4": 1.0, "5": 0.2, "6": 0.6, "7": 0.6}
+    row = score_row("arc", "distilled", translated, native, n_resamples=2000, seed=3)
+    # Hand-aligned: differences -0.1, -0.2, 0.0, -0.2, -0.3, 0.0 → mean -0.8 / 6.
+    ref_t, ref_n = [0.9, 0.4, 0.5, 0.8, 0.3, 0.6], [1.0, 0.6, 0.5, 1.0, 0.6, 0.6]
+    delta, low, high = paired_bootstrap_ci(ref_t, ref_n, n_resamples=2000, seed=3)
+    assert row.extra["delta"] == pytest.approx(-0.8 / 6) and delta == pytest.approx(-0.8 / 6)
+    assert (row.extra["delta"], row.ci_low, row.ci_high) == (delta, low, high)
+    assert row.extra["n_paired"] == 6 and row.n == 7 and row.score == pytest.approx(4.2 / 7)
+    assert paired_by_id(translated, native)[0] == ["0", "1", "3", "4", "6", "7"]
 
 
 def test_evals_import_no_orchestration_packages():
