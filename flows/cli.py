@@ -133,7 +133,10 @@ def fit(
     lr: Annotated[float | None, typer.Option(help="stage-2 learning rate")] = None,
     workers: Annotated[int | None, typer.Option(help="stage-2 Ray Train workers (1: single process)")] = None,
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (default: a local Ray)")] = None,
-    output_dir: Annotated[Path | None, typer.Option(help="artifact directory")] = None,
+    output_dir: Annotated[Path | None, typer.Option(help="artifact directory (default: one per run fingerprint)")] = None,
+    resume: Annotated[bool | None, typer.Option("--resume/--no-resume", help="resume stage 2 on an identical run "
+                      "fingerprint (default; another run in the directory is refused) or start over")] = None,
+    seeds: Annotated[str | None, typer.Option(help="comma-separated stage-2 seeds, e.g. 0,1,2: mean ± seed SD")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML config; CLI options override it")] = None,
     track: Annotated[bool, typer.Option("--track", help="run as the Prefect flow: benchmarks, MLflow run, registry")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
@@ -149,9 +152,10 @@ def fit(
     overrides = dict(
         source=source, target=target, stage1_only=stage1_only or None, assignment=assignment, nu=nu, point=point,
         ridge=ridge, head_wise=head_wise, weighting=weighting, data=data, n_train=n_train, n_val=n_val, seed=seed, output_dir=output_dir,
-        steps=steps, lr=lr, workers=workers, ray_address=ray_address,
+        steps=steps, lr=lr, workers=workers, ray_address=ray_address, resume=resume,
     )
     try:
+        overrides["seeds"] = parse_seeds(seeds) if seeds is not None else None
         cfg = load_config(FitConfig, config, overrides)
         if track:
             from flows.pipeline import fit_flow
@@ -172,7 +176,28 @@ def fit(
     console = Console()
     console.print(table)
     console.print(f"held-out R²: keys {summary['r2']['keys']:.3f}, values {summary['r2']['values']:.3f}")
+    if "val_kl_seed_sd" in summary:
+        console.print(f"distilled over seeds {summary['seeds']}: {summary['val_kl']['distilled']:.4f} "
+                      f"± {summary['val_kl_seed_sd']['distilled']:.4f} (seed SD)")
     console.print(f"artifact: {summary['artifact']}")
+    console.print(f"run fingerprint: {summary['fingerprint']}")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0,1,2' → [0, 1, 2].
+
+    Raises:
+        ConfigError: not comma-separated integers, or a seed repeated.
+    """
+    from translators.errors import ConfigError
+
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--seeds must be comma-separated integers such as 0,1,2; got {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds lists a seed twice: {text!r}")
+    return seeds
 
 
 @app.command()
@@ -449,7 +474,7 @@ def sweep(
     from translators.lr_selection import initial_rates
 
     try:
-        seed_list = [int(x) for x in seeds.split(",")]
+        seed_list = parse_seeds(seeds)
         base = yaml.safe_load(config.read_text()) if config else {}
         if steps is not None:
             base["steps"] = steps
@@ -458,8 +483,6 @@ def sweep(
         use_tracking_store()
         result = sweep_flow([(source, target)], both_directions=not one_direction, centre_lr=centre_lr,
                             n_rates=n_rates, seeds=seed_list, base=base)
-    except ValueError:
-        _fail(KvlingoError(f"--seeds must be comma-separated integers, got {seeds!r}"))
     except KvlingoError as err:
         _fail(err)
     if as_json:

@@ -97,6 +97,16 @@ def preflight(config: EvalConfig) -> None:
 
 
 # -- conditions ------------------------------------------------------------------------------------------------
+def _latest_fit_or_pair_dir(source: str, target: str) -> Path:
+    """The newest finished fit of the pair, else the pair's runs folder (which then holds no artifact)."""
+    from infra.rundirs import latest_fit_dir, pair_runs_dir
+
+    try:
+        return latest_fit_dir(source, target)
+    except ConfigError:
+        return pair_runs_dir(source, target)
+
+
 def build_conditions(config: EvalConfig, source, target) -> dict[str, Any]:
     """Condition name → evals.conditions.Condition (translators verified against the loaded pair)."""
     from evals.conditions import source_native, target_native, translated
@@ -105,7 +115,7 @@ def build_conditions(config: EvalConfig, source, target) -> dict[str, Any]:
 
     src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
     conditions = {"target_native": target_native(tgt), "source_native": source_native(src)}
-    fit_dir = Path(config.fit_dir or kvlingo_home() / "runs" / f"{source.name}--{target.name}".replace("/", "_"))
+    fit_dir = Path(config.fit_dir) if config.fit_dir else _latest_fit_or_pair_dir(source.name, target.name)
     for stage in ("closed_form", "distilled"):
         if (fit_dir / stage / "manifest.json").is_file():
             conditions[stage] = translated(src, tgt, load_for_pair(fit_dir / stage, source, target))

@@ -18,6 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from infra.config import FitConfig, dump_config
+from infra.data_manifest import build_manifest
+from infra.fingerprint import fingerprint, fingerprint_fields
+from infra.rundirs import run_dir
 from infra.settings import kvlingo_home
 from translators.errors import ConfigError
 from translators.translator import SIDES
@@ -65,7 +68,18 @@ class FitPlan:
     candidates: dict[int, tuple[int, ...]]
     out: Path
     signatures: dict[str, Any]
+    data_manifest: dict[str, Any]  # infra.data_manifest.build_manifest of the train/val split
+    fingerprint_fields: dict[str, Any]  # infra.fingerprint.fingerprint_fields of the config, pair and data
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.fingerprint_fields)
+
+    def stage2_fields(self, config: FitConfig) -> dict[str, Any]:
+        """Fingerprint fields of one stage-2 run of this plan (a sweep cell or seed overrides lr and seed)."""
+        return {**self.fingerprint_fields, "config": fingerprint_fields(
+            config.model_dump(mode="json"), self.signatures, self.data_manifest["manifest_sha256"])["config"]}
 
     @property
     def sides(self):
@@ -110,11 +124,41 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
     for loaded in (source, target):
         check_prefix_lengths(samples, loaded.layout.max_positions, loaded.name)
     train, val = split_by_conversation(samples, val_fraction=config.n_val / (config.n_train + config.n_val), seed=config.seed)
-    out = Path(config.output_dir or kvlingo_home() / "runs" / f"{source.name}--{target.name}".replace("/", "_"))
-    out.mkdir(parents=True, exist_ok=True)
-    dump_config(config, out / "config.yaml")
     signatures = {"source": model_signature(source), "target": model_signature(target)}
-    return FitPlan(config, source, target, train, val, candidates, out, signatures)
+    manifest = build_manifest(corpus, train, val)
+    fields = fingerprint_fields(config.model_dump(mode="json"), signatures, manifest["manifest_sha256"])
+    out = Path(config.output_dir) if config.output_dir else run_dir(source.name, target.name, fingerprint(fields))
+    claim_run_dir(out, fields, resume=config.resume)
+    dump_config(config, out / "config.yaml")
+    (out / "data_manifest.json").write_text(json.dumps(manifest, indent=1))
+    return FitPlan(config, source, target, train, val, candidates, out, signatures, manifest, fields)
+
+
+def claim_run_dir(out: Path, fields: dict[str, Any], *, resume: bool) -> None:
+    """Make `out` this run's directory: refuse one that holds another run (unless `resume` is False, which
+    clears that run's checkpoints and results), then record the fingerprint.
+
+    Raises:
+        ConfigError: `out` holds a run with another fingerprint, naming the fields that differ.
+    """
+    from infra.fingerprint import describe_differences
+
+    record = out / "fingerprint.json"
+    if record.is_file():
+        old = json.loads(record.read_text())
+        if old["fingerprint"] != fingerprint(fields):
+            if resume:
+                raise ConfigError(
+                    f"{out} holds another run ({describe_differences(old['fields'], fields)}): its checkpoints and "
+                    "artifacts belong to that config. Drop --output-dir (each fingerprint gets its own directory), "
+                    "pick another one, or pass --no-resume to replace that run."
+                )
+    if not resume:
+        for name in ("checkpoints", "sweep", "closed_form", "distilled", "summary.json", "seeds"):
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"fingerprint": fingerprint(fields), "fields": fields}, indent=1, default=str))
 
 
 def stats_key(plan: FitPlan, samples: list) -> str:
@@ -195,12 +239,15 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         "artifact": str(plan.out / "closed_form"),
         "artifacts": {"closed_form": str(plan.out / "closed_form")},
         "run_dir": str(plan.out),
+        "fingerprint": plan.fingerprint,
+        "data_manifest": {k: v for k, v in plan.data_manifest.items() if k not in ("train", "val")},
     }
     save_translator(
         translator,
         plan.out / "closed_form",
         **plan.signatures,
-        fit={"stage": "closed_form", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "r2": summary["r2"]},
+        fit={"stage": "closed_form", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "r2": summary["r2"],
+             "fingerprint": plan.fingerprint, "data_manifest": plan.data_manifest},
     )
     return translator, summary
 
@@ -221,22 +268,48 @@ def distill(
     config = plan.config.model_copy(update=updates)
     out = Path(cell_dir) if cell_dir else plan.out
     src, tgt = plan.sides
-    distilled, history = _stage2(config, closed_form, src, tgt, plan.train, plan.val_pairs, plan.signatures, out)
+    fields = plan.stage2_fields(config)
+    distilled, history = _stage2(config, closed_form, src, tgt, plan.train, plan.val_pairs, fields, out)
     final = validation_kl(src, tgt, plan.val_pairs, distilled)
     summary = {**summary}
     summary["val_kl"] = {**summary["val_kl"], "distilled": final.mean}
     summary["val_kl_se"] = {**summary["val_kl_se"], "distilled": final.se}
     summary["first_token_kl"] = {**summary["first_token_kl"], "distilled": final.first_token}
     summary.update(stage="distilled", steps=config.steps, lr=config.lr, seed=config.seed, history=history,
-                   artifact=str(out / "distilled"), run_dir=str(out))
+                   artifact=str(out / "distilled"), run_dir=str(out), fingerprint=fingerprint(fields))
     summary["artifacts"] = {**summary["artifacts"], "distilled": str(out / "distilled")}
     save_translator(
         distilled,
         out / "distilled",
         **plan.signatures,
-        fit={"stage": "distilled", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "steps": config.steps, "lr": config.lr},
+        fit={"stage": "distilled", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "steps": config.steps,
+             "lr": config.lr, "fingerprint": fingerprint(fields), "data_manifest": plan.data_manifest},
     )
     return distilled, summary
+
+
+def distill_seeds(plan: FitPlan, closed_form, summary: dict[str, Any]) -> dict[str, Any]:
+    """Stage 2 once per seed of `config.seeds` (default: `config.seed` alone), all from the same closed form.
+
+    With several seeds each runs in `seeds/seed_<k>/`; the summary's val_kl.distilled is the seed mean, with
+    `val_kl_seed_sd` (sample SD over seeds, App. E.1) beside the item SE, and `by_seed` holds each seed's result.
+    The first seed's artifact is the run's distilled translator.
+    """
+    import statistics
+
+    seeds = plan.config.seeds or [plan.config.seed]
+    if len(seeds) == 1:
+        return distill(plan, closed_form, summary, seed=seeds[0])[1]
+    results = [distill(plan, closed_form, summary, seed=seed, cell_dir=plan.out / "seeds" / f"seed_{seed}")[1]
+               for seed in seeds]
+    kls = [r["val_kl"]["distilled"] for r in results]
+    merged = {**results[0], "run_dir": str(plan.out), "seeds": seeds, "fingerprint": plan.fingerprint}
+    merged["val_kl"] = {**results[0]["val_kl"], "distilled": statistics.fmean(kls)}
+    merged["val_kl_seed_sd"] = {"distilled": statistics.stdev(kls)}
+    merged["by_seed"] = {str(seed): {"val_kl": r["val_kl"]["distilled"], "val_kl_se": r["val_kl_se"]["distilled"],
+                                     "artifact": r["artifact"], "fingerprint": r["fingerprint"]}
+                         for seed, r in zip(seeds, results)}
+    return merged
 
 
 def run_fit(config: FitConfig) -> dict[str, Any]:
@@ -247,13 +320,13 @@ def run_fit(config: FitConfig) -> dict[str, Any]:
         val_stats = shard_stats(plan, plan.val, progress, "stage 1: held-out statistics")
     translator, summary = solve_closed_form(plan, stats, val_stats)
     if not config.stage1_only:
-        translator, summary = distill(plan, translator, summary)
+        summary = distill_seeds(plan, translator, summary)
     summary["wall_s"] = round(time.perf_counter() - plan.started, 2)
     (plan.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, signatures, out: Path):
+def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, run_signature: dict[str, Any], out: Path):
     """Distil from a copy of the closed-form maps (which stay saved as the stage-1 baseline)."""
     import copy
 
@@ -270,11 +343,11 @@ def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, signatur
         seed=config.seed,
         objective=Objective(config.objective, ce_weight=config.ce_weight),
     )
-    run_signature = {**signatures, "settings": settings.signature(), "data": config.data, "n_train": config.n_train,
-                     "point": config.point, "assignment": config.assignment, "nu": config.nu}
     train_pairs = [(s.prefix_ids, s.continuation_ids) for s in train]
     translator = copy.deepcopy(closed_form)
     checkpoints = out / "checkpoints"
+    if not config.resume:
+        shutil.rmtree(checkpoints, ignore_errors=True)
     if config.workers == 1:
         with _progress() as progress:
             task = progress.add_task("stage 2: distillation", total=config.steps)

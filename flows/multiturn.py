@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from infra.settings import kvlingo_home
+from infra.rundirs import latest_fit_dir
 from infra.synthetic_chat import MAX_HANDOFF_TURNS, handoff_conversations
 from translators.errors import ConfigError
 
@@ -69,8 +69,8 @@ def run_multiturn(
     a, b = load_model(model_a), load_model(model_b)
     check_same_tokenizer(a, b)
     dirs = {
-        ("A", "B"): Path(fit_dir_ab or kvlingo_home() / "runs" / f"{a.name}--{b.name}") / stage,
-        ("B", "A"): Path(fit_dir_ba or kvlingo_home() / "runs" / f"{b.name}--{a.name}") / stage,
+        ("A", "B"): Path(fit_dir_ab or latest_fit_dir(a.name, b.name)) / stage,
+        ("B", "A"): Path(fit_dir_ba or latest_fit_dir(b.name, a.name)) / stage,
     }
     for (src, tgt), path in dirs.items():
         if not (path / "manifest.json").is_file():

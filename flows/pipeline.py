@@ -15,6 +15,7 @@ from prefect import flow
 
 from flows.evaluate import EvalConfig
 from infra.config import FitConfig
+from infra.fingerprint import fingerprint
 from tasks.evaluate import eval_task
 from tasks.fit import closed_form_task, distill_task, gram_shard_task, plan_task
 from tasks.track import finished_cell_task, log_run_task, register_task
@@ -101,8 +102,9 @@ def sweep_flow(
         trained: list[str] = []
 
         def cell(lr: float, seed: int) -> float:
-            key = f"{pair_name(source, target)}|lr={lr:.3g}|seed={seed}|steps={config.steps}"
-            found = finished_cell_task(key)
+            # The cell's full run fingerprint: config (with this lr and seed), exact model pair, data manifest.
+            key = fingerprint(plan.stage2_fields(config.model_copy(update={"lr": lr, "seed": seed})))
+            found = finished_cell_task(key, pair_name(source, target))
             if found and found["val_kl"] is not None:
                 return found["val_kl"]
             _, cell_summary = distill_task(plan, closed_form, summary, lr=lr, seed=seed,
@@ -148,19 +150,6 @@ def benchmark_flow(config: EvalConfig) -> dict[str, Any]:
 DEMO_PAIR = ("kvlingo-tiny-l", "kvlingo-tiny-s")
 
 
-def demo_run_dir(source: str, target: str, steps: int) -> Path:
-    """Where the demo fits ``source`` → ``target``: keyed by both models' build recipes and ``steps``.
-
-    A re-run with the same builds and steps resumes there; after a tiny-model recipe change or with other
-    steps it starts in a fresh directory, since resuming refuses checkpoints of other models or configs.
-    """
-    from infra.settings import kvlingo_home
-    from infra.tiny_models import recipe_hash
-
-    key = f"{recipe_hash(source)[:8]}-{recipe_hash(target)[:8]}-steps{steps}"
-    return kvlingo_home() / "runs" / "demo" / f"{source}--{target}" / key
-
-
 @flow(name="kvlingo-demo")
 def demo_flow(steps: int = 60, n_train: int = 600, n_val: int = 24, eval_limit: int = 6,
               data_dir: Path | None = None) -> dict[str, Any]:
@@ -172,8 +161,7 @@ def demo_flow(steps: int = 60, n_train: int = 600, n_val: int = 24, eval_limit: 
         # 600 conversations: with fewer, stage 2 starts to overfit the maps within 60 steps on this pair.
         # lr 1e-3: the closed form is already close on this pair, and 3e-3 overshot it (l→s 0.066 → 0.21 nats).
         config = FitConfig(source=source, target=target, data="embedded:1000", steps=steps, n_train=n_train, n_val=n_val, lr=1e-3,
-                           eval_every=max(1, steps // 3), checkpoint_every=max(1, steps // 3),
-                           output_dir=demo_run_dir(source, target, steps))
+                           eval_every=max(1, steps // 3), checkpoint_every=max(1, steps // 3))
         fits.append(fit_flow(config, eval_limit=eval_limit, data_dir=data_dir, ruler_lengths=[128, 256]))
     db = refresh_duckdb()
     return {"fits": fits, "report": report_rows(db), "duckdb": str(db)}

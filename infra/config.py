@@ -46,7 +46,11 @@ class FitConfig(BaseModel):
     objective: Literal["kl", "ce", "mixed"] = "kl"
     ce_weight: float = Field(0.0, ge=0.0, description="λ of KL + λ·CE (objective mixed)")
     ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
-    output_dir: Path | None = Field(None, description="where the artifact goes; default under KVLINGO_HOME/runs")
+    output_dir: Path | None = Field(None, description="where the artifact goes; default KVLINGO_HOME/runs/<pair>/<fingerprint>")
+    resume: bool = Field(True, description="resume stage 2 from checkpoints of an identical run fingerprint (a different "
+                         "one is refused, naming the fields); False starts over and replaces the directory's run")
+    seeds: list[int] | None = Field(None, min_length=1, description="stage-2 seeds (one distillation each from the "
+                                    "same closed form); default [seed]")
 
 
 def load_config(model: type[BaseModel], yaml_path: Path | None, overrides: dict[str, Any]) -> BaseModel:

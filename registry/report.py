@@ -7,12 +7,15 @@
   distilled translator, so a distilled fit gives two rows. Columns: run_id, experiment, source, target,
   direction ("a → b"), pair (the two names sorted, "a <-> b"), stage, val_kl, val_kl_se, first_token_kl,
   empty_prefix_kl, random_map_kl, r2_keys, r2_values, lr (distilled rows only), point, assignment,
-  parent_run_id, status, start_time;
+  val_set_hash (tag `kvlingo.val_set_hash`: the validation set val_kl was measured on; null for runs logged
+  before data manifests), parent_run_id, status, start_time;
 - table `bench`: one row per run × benchmark × condition from metrics
   `bench.<benchmark>.<condition>.<field>` (see `registry.tracking.log_benchmark_rows`);
-- view `best_translators`: per direction (source, target) the row with the lowest validation KL;
-- view `lr_sweep`: per direction and learning rate, the best and mean final validation KL of distilled rows,
-  with `is_best` marking the selected rate;
+- view `best_translators`: per direction (source, target) and validation set (val_set_hash) the row with the
+  lowest validation KL. A validation KL on other conversations is another measurement, so runs are ranked only
+  against runs sharing their validation set; untagged runs (val_set_hash null) form a group of their own;
+- view `lr_sweep`: per direction, validation set and learning rate, the best and mean final validation KL of
+  distilled rows, with `is_best` marking the selected rate within the direction and validation set;
 - view `bench_deltas`: per run, benchmark and non-native condition, the difference to `target_native` with a
   confidence interval: the logged paired-bootstrap CI when present (`ci_method = 'paired_bootstrap'`), else a
   normal approximation from both standard errors that ignores pairing (`'normal_unpaired'`, conservative).
@@ -31,18 +34,21 @@ from typing import Any
 
 from infra.settings import kvlingo_home
 from registry.errors import RegistryError
-from registry.tracking import BENCH_FIELDS, KIND_TAG, STAGES, kvlingo_experiments, tracking_client
+from registry.tracking import BENCH_FIELDS, KIND_TAG, STAGES, VAL_SET_TAG, kvlingo_experiments, tracking_client
 
 TABLES = ("runs", "bench")
 VIEWS = ("best_translators", "lr_sweep", "bench_deltas")
 CONTRACT_KEYS = ("source", "target", "stage", "val_kl", "lr", "run_id")
+BEST_KEYS = CONTRACT_KEYS + ("val_set_hash",)
+RANKING_NOTE = ("best translators are ranked within runs sharing a validation set (val_set_hash); runs without "
+                "one (logged before data manifests) are ranked among themselves")
 
 _RUNS_DDL = """
 CREATE TABLE runs (
     run_id VARCHAR, experiment VARCHAR, source VARCHAR, target VARCHAR, direction VARCHAR, pair VARCHAR,
     stage VARCHAR, val_kl DOUBLE, val_kl_se DOUBLE, first_token_kl DOUBLE, empty_prefix_kl DOUBLE,
     random_map_kl DOUBLE, r2_keys DOUBLE, r2_values DOUBLE, lr DOUBLE, point VARCHAR, assignment VARCHAR,
-    parent_run_id VARCHAR, status VARCHAR, start_time TIMESTAMPTZ
+    val_set_hash VARCHAR, parent_run_id VARCHAR, status VARCHAR, start_time TIMESTAMPTZ
 )"""
 _BENCH_DDL = """
 CREATE TABLE bench (
@@ -52,13 +58,13 @@ CREATE TABLE bench (
 _VIEWS_SQL = (
     """CREATE VIEW best_translators AS
     SELECT * FROM runs WHERE val_kl IS NOT NULL
-    QUALIFY row_number() OVER (PARTITION BY source, target ORDER BY val_kl, start_time DESC) = 1""",
+    QUALIFY row_number() OVER (PARTITION BY source, target, val_set_hash ORDER BY val_kl, start_time DESC) = 1""",
     """CREATE VIEW lr_sweep AS
-    SELECT source, target, lr, min(val_kl) AS val_kl, avg(val_kl) AS mean_val_kl, count(*) AS n_runs,
+    SELECT source, target, val_set_hash, lr, min(val_kl) AS val_kl, avg(val_kl) AS mean_val_kl, count(*) AS n_runs,
            arg_min(run_id, val_kl) AS best_run_id,
-           min(val_kl) = min(min(val_kl)) OVER (PARTITION BY source, target) AS is_best
+           min(val_kl) = min(min(val_kl)) OVER (PARTITION BY source, target, val_set_hash) AS is_best
     FROM runs WHERE stage = 'distilled' AND lr IS NOT NULL AND val_kl IS NOT NULL
-    GROUP BY source, target, lr""",
+    GROUP BY source, target, val_set_hash, lr""",
     """CREATE VIEW bench_deltas AS
     SELECT b.run_id, b.source, b.target, b.benchmark, b.condition, b.score, b.se,
            t.score AS native_score, t.se AS native_se,
@@ -139,6 +145,7 @@ def stage_rows(record: Mapping[str, Any], experiment: str | None) -> list[dict[s
             # The closed-form solve has no learning rate; only the distilled row carries the run's lr.
             "lr": lr if stage == "distilled" else None,
             "point": _text(record.get("tags.point")), "assignment": _text(record.get("tags.assignment")),
+            "val_set_hash": _text(record.get(f"tags.{VAL_SET_TAG}")),
             "parent_run_id": _text(record.get("tags.mlflow.parentRunId")),
             "status": record.get("status"), "start_time": record.get("start_time"),
         })
@@ -235,8 +242,8 @@ def read_table(db_path: str | Path, name: str) -> list[dict[str, Any]]:
     """
     if name not in TABLES + VIEWS:
         raise RegistryError(f"unknown summary table {name!r}; choose one of {', '.join(TABLES + VIEWS)}")
-    order = {"runs": "source, target, start_time, stage", "lr_sweep": "source, target, lr",
-             "best_translators": "source, target", "bench": "run_id, benchmark, condition",
+    order = {"runs": "source, target, start_time, stage", "lr_sweep": "source, target, val_set_hash, lr",
+             "best_translators": "source, target, val_set_hash", "bench": "run_id, benchmark, condition",
              "bench_deltas": "run_id, benchmark, condition"}[name]
     return _query(Path(db_path), f"SELECT * FROM {name} ORDER BY {order}")
 
@@ -251,6 +258,28 @@ def report_rows(db_path: str | Path | None = None) -> list[dict[str, Any]]:
     """
     rows = read_table(db_path, "runs") if db_path else collect_tables()["runs"]
     return [{k: (_number(row[k]) if k in ("val_kl", "lr") else row[k]) for k in CONTRACT_KEYS} for row in rows]
+
+
+def best_translator_rows(db_path: str | Path) -> list[dict[str, Any]]:
+    """The best translator per direction and validation set, as JSON rows `{source, target, stage, val_kl, lr,
+    run_id, val_set_hash}` (see RANKING_NOTE).
+
+    Raises:
+        RegistryError: no summary file.
+    """
+    rows = read_table(db_path, "best_translators")
+    return [{k: (_number(row[k]) if k in ("val_kl", "lr") else row[k]) for k in BEST_KEYS} for row in rows]
+
+
+def report_json(db_path: str | Path) -> dict[str, Any]:
+    """`kvlingo report --json`: {"runs": report_rows, "best_translators": best_translator_rows,
+    "best_translators_ranking": RANKING_NOTE}.
+
+    Raises:
+        RegistryError: no summary file.
+    """
+    return {"runs": report_rows(db_path), "best_translators": best_translator_rows(db_path),
+            "best_translators_ranking": RANKING_NOTE}
 
 
 def export_parquet(db_path: str | Path, out_dir: str | Path) -> list[Path]:
@@ -298,16 +327,18 @@ def print_report(db_path: str | Path, console=None) -> None:
     for r in runs:
         table.add_row(r["direction"], r["stage"], _fmt(r["val_kl"]), _fmt(r["val_kl_se"]), _fmt(r["lr"], ".1e"), r["run_id"][:8])
     console.print(table)
-    table = Table("source → target", "stage", "val KL", "lr", "run", title="best translator per direction")
+    table = Table("source → target", "val set", "stage", "val KL", "lr", "run", title="best translator per direction")
     for r in read_table(db_path, "best_translators"):
-        table.add_row(r["direction"], r["stage"], _fmt(r["val_kl"]), _fmt(r["lr"], ".1e"), r["run_id"][:8])
+        table.add_row(r["direction"], _hash(r["val_set_hash"]), r["stage"], _fmt(r["val_kl"]), _fmt(r["lr"], ".1e"),
+                      r["run_id"][:8])
     console.print(table)
+    console.print(RANKING_NOTE, style="dim", soft_wrap=True)
     sweep = read_table(db_path, "lr_sweep")
     if sweep:
-        table = Table("source → target", "lr", "best val KL", "mean", "runs", "selected", title="learning-rate sweep")
+        table = Table("source → target", "val set", "lr", "best val KL", "mean", "runs", "selected", title="learning-rate sweep")
         for r in sweep:
-            table.add_row(f"{r['source']} → {r['target']}", _fmt(r["lr"], ".1e"), _fmt(r["val_kl"]), _fmt(r["mean_val_kl"]),
-                          str(r["n_runs"]), "✓" if r["is_best"] else "")
+            table.add_row(f"{r['source']} → {r['target']}", _hash(r["val_set_hash"]), _fmt(r["lr"], ".1e"), _fmt(r["val_kl"]),
+                          _fmt(r["mean_val_kl"]), str(r["n_runs"]), "✓" if r["is_best"] else "")
         console.print(table)
     deltas = read_table(db_path, "bench_deltas")
     if deltas:
@@ -316,6 +347,11 @@ def print_report(db_path: str | Path, console=None) -> None:
             table.add_row(f"{r['source']} → {r['target']}", r["benchmark"], r["condition"], _fmt(r["score"]), _fmt(r["delta"], "+.4f"),
                           f"[{_fmt(r['ci_low'], '+.4f')}, {_fmt(r['ci_high'], '+.4f')}]", r["ci_method"])
         console.print(table)
+
+
+def _hash(value: str | None) -> str:
+    """A validation-set hash shortened for a table cell; "—" for runs without one."""
+    return "—" if value is None else value[:12]
 
 
 def _fmt(value: Any, spec: str = ".4f") -> str:

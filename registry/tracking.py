@@ -16,7 +16,8 @@ Naming (what the UI, the report and other tools rely on):
   score, se, n, delta, ci_low, ci_high — ci_low/ci_high bound the *paired difference* score − target_native
   on the same items (the `evals.metrics.ScoreRow` convention), delta is that difference's point estimate;
 - registered model per pair `<source>--<target>`; version tags `source`, `target`, `stage`, `val_kl`, `point`,
-  `kvlingo.pair_sha256` (+ per-role `kvlingo.source_sha256`, `kvlingo.target_sha256`); aliases
+  `kvlingo.pair_sha256` (+ per-role `kvlingo.source_sha256`, `kvlingo.target_sha256`), `kvlingo.val_set_hash`
+  (the validation set the `val_kl` was measured on; absent for fits from before data manifests); aliases
   `candidate` (set on every new version) and `champion` (:func:`promote_best`).
 """
 
@@ -42,6 +43,12 @@ from translators.errors import ConfigError, PairMismatchError
 ENV_URI = "MLFLOW_TRACKING_URI"
 KIND_TAG = "kvlingo.kind"
 PAIR_TAG = "kvlingo.pair_sha256"
+# The content hash of a fit's held-out validation conversations, on fit runs and on registered versions: a
+# validation KL is only comparable with another one measured on the same set.
+VAL_SET_TAG = "kvlingo.val_set_hash"
+# Where a translator manifest's fit record holds that hash: fit["data_manifest"][VAL_SET_KEY]
+# (infra.data_manifest.build_manifest).
+VAL_SET_KEY = "val_set_sha256"
 ALIASES = ("candidate", "champion")
 STAGES = ("closed_form", "distilled")
 BENCH_FIELDS = ("score", "se", "n", "delta", "ci_low", "ci_high")
@@ -285,6 +292,13 @@ def fit_tags(summary: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str,
     for key in ("point", "assignment"):
         if config.get(key) is not None:
             tags[key] = str(config[key])
+    # What makes runs comparable: the run fingerprint (infra.fingerprint) and the validation set's content hash.
+    if summary.get("fingerprint"):
+        tags["kvlingo.fingerprint"] = str(summary["fingerprint"])
+    manifest = summary.get("data_manifest") or {}
+    if manifest.get("val_set_sha256"):
+        tags["kvlingo.val_set_hash"] = str(manifest["val_set_sha256"])
+        tags["kvlingo.data_manifest"] = str(manifest["manifest_sha256"])
     return tags
 
 
@@ -355,6 +369,9 @@ def _log_fit_artifacts(client, run_id: str, summary: Mapping[str, Any], config: 
         plots.kl_curve(summary.get("history") or [], out / "plots" / "kl_curve.png", title=f"stage 2: {title}")
         if summary.get("assignment"):
             plots.assignment_heatmap(summary["assignment"], out / "plots" / "assignment.png", title=f"layer assignment: {title}")
+        for record in ("data_manifest.json", "fingerprint.json"):  # the frozen data and the run's fingerprint
+            if (run_dir / record).is_file():
+                (out / record).write_text((run_dir / record).read_text())
         client.log_artifacts(run_id, str(out))
     for stage in STAGES:
         if (run_dir / stage / "manifest.json").is_file():
@@ -427,7 +444,28 @@ def version_tags(manifest: Mapping[str, Any]) -> dict[str, str]:
     val_kl = (fit.get("val_kl") or {}).get(fit.get("stage"))
     if isinstance(val_kl, (int, float)) and math.isfinite(val_kl):
         tags["val_kl"] = repr(float(val_kl))
+    val_set = manifest_val_set_hash(fit)
+    if val_set is not None:
+        tags[VAL_SET_TAG] = val_set
     return tags
+
+
+def manifest_val_set_hash(fit: Mapping[str, Any]) -> str | None:
+    """The validation-set hash of a translator manifest's fit record; None for a fit without a data manifest
+    (fitted before data manifests existed).
+
+    Raises:
+        ArtifactError: the fit record has a data manifest without the validation-set hash.
+    """
+    data_manifest = fit.get("data_manifest")
+    if data_manifest is None:
+        return None
+    if not data_manifest.get(VAL_SET_KEY):
+        from translators.artifact import ArtifactError
+
+        raise ArtifactError(f"the translator manifest's fit.data_manifest has no {VAL_SET_KEY!r}: cannot tell which "
+                            "validation set its val_kl was measured on; re-save the artifact from its fit")
+    return str(data_manifest[VAL_SET_KEY])
 
 
 def check_model_name(name: str) -> None:
@@ -446,7 +484,8 @@ def check_registered_pair(client, name: str, tags: Mapping[str, str], what: str)
 
     Versions of one registered model translate between the same *named* models. A new revision or build of
     those models is a new version, not another model: every version carries its exact pair signature, loading
-    checks it against the models at hand, and `promote_best` only ranks versions of the newest signature.
+    checks it against the models at hand, and `promote_best` only ranks versions of the newest signature
+    (and validation set).
 
     Raises:
         PairMismatchError: an existing version is for other model names, or has no kvlingo pair signature.
@@ -484,7 +523,8 @@ def log_translator_model(artifact_dir: str | Path, registered_name: str | None =
     the pair's experiment.
 
     Raises:
-        ArtifactError: not a translator artifact, or weights that do not match the manifest's sha256.
+        ArtifactError: not a translator artifact, weights that do not match the manifest's sha256, or a data
+            manifest without its validation-set hash.
         ConfigError: a name that `models:/` URIs cannot carry.
         PairMismatchError: `registered_name` already holds versions of another model pair (both named).
         RegistryError: run_id names no run.
@@ -570,35 +610,48 @@ def set_alias(name: str, alias: str, version: int | str) -> None:
 def promote_best(name: str) -> dict[str, Any]:
     """Make the version with the lowest `val_kl` tag the `champion`; ties go to the newer version.
 
-    Only versions for the newest version's exact model pair compete: translators fitted for older revisions
-    or builds of the models cannot serve the current ones.
+    Only versions comparable with the newest version compete: those for its exact model pair (translators
+    fitted for older revisions or builds of the models cannot serve the current ones) and whose validation KL
+    was measured on its validation set (`kvlingo.val_set_hash`; a KL on other conversations is another
+    measurement). Versions without a validation-set hash (fits from before data manifests) only compete with
+    each other.
 
     Returns:
-        {"name", "version", "val_kl"} of the champion.
+        {"name", "version", "val_kl", "val_set_hash"} of the champion (val_set_hash None when untagged).
     Raises:
-        RegistryError: no version of `name` carries a validation KL.
+        RegistryError: no version of `name`, or none comparable with the newest carries a validation KL.
     """
     client = tracking_client()
     versions = _versions(client, name)
     if not versions:
         raise RegistryError(f"no registered model {name!r} (or it has no versions): register one with `log_translator_model`")
-    newest = max(versions, key=lambda v: int(v.version)).tags.get(PAIR_TAG)
-    scored = []
-    for version in versions:
-        if version.tags.get(PAIR_TAG) != newest:
-            continue
-        with contextlib.suppress(KeyError, ValueError):
-            value = float(version.tags["val_kl"])
-            if math.isfinite(value):
-                scored.append((value, -int(version.version)))
+    newest = max(versions, key=lambda v: int(v.version))
+    basis = _comparison_basis(newest)
+    scored = [(value, -int(v.version)) for v in versions
+              if _comparison_basis(v) == basis and (value := _val_kl_tag(v)) is not None]
     if not scored:
         raise RegistryError(
-            f"registered model {name!r} has no version of its newest model pair with a val_kl tag: register translators with "
-            "`log_translator_model` (it tags the validation KL from the manifest)"
+            f"registered model {name!r} has no version with a val_kl tag for its newest model pair and validation set "
+            f"(version {newest.version}): register translators with `log_translator_model` (it tags the validation "
+            "KL and the validation set from the manifest)"
         )
     value, negative_version = min(scored)
     client.set_registered_model_alias(name, "champion", str(-negative_version))
-    return {"name": name, "version": -negative_version, "val_kl": value}
+    return {"name": name, "version": -negative_version, "val_kl": value, "val_set_hash": basis[1]}
+
+
+def _comparison_basis(version) -> tuple[str | None, str | None]:
+    """What makes two versions' validation KLs comparable: (pair signature, validation-set hash)."""
+    return version.tags.get(PAIR_TAG), version.tags.get(VAL_SET_TAG)
+
+
+def _val_kl_tag(version) -> float | None:
+    """The version's finite `val_kl` tag, or None when it has none (or an unreadable one)."""
+    try:
+        value = float(version.tags["val_kl"])
+    except (KeyError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -34,17 +34,16 @@ def register_task(artifact_dir: str, run_id: str) -> dict[str, Any]:
 
 
 @task(name="find-cell", cache_policy=NO_CACHE)
-def finished_cell_task(cell_key: str) -> dict[str, Any] | None:
-    """A sweep cell already trained and logged (tag kvlingo.cell), so re-running the sweep trains nothing."""
+def finished_cell_task(cell_key: str, experiment_name: str) -> dict[str, Any] | None:
+    """A sweep cell already trained and logged in the pair's experiment (tag kvlingo.cell = the cell's run
+    fingerprint), so re-running the sweep trains nothing; another config, data or model build never matches."""
     from registry.tracking import tracking_client
 
     client = tracking_client()
-    from registry.tracking import kvlingo_experiments
-
-    ids = [e.experiment_id for e in kvlingo_experiments(client)]
-    if not ids:
+    experiment = client.get_experiment_by_name(experiment_name)
+    if experiment is None:
         return None
-    runs = client.search_runs(ids, filter_string=f"tags.`kvlingo.cell` = '{cell_key}'", max_results=1)
+    runs = client.search_runs([experiment.experiment_id], filter_string=f"tags.`kvlingo.cell` = '{cell_key}'", max_results=1)
     if not runs:
         return None
     run = runs[0]

@@ -264,7 +264,7 @@ class Trainer:
         meta = json.loads((path / "state.json").read_text())
         if meta["run_signature_sha256"] != signature_hash(self.run_signature):
             raise PairMismatchError(
-                f"the checkpoint in {path} belongs to another run: {_first_change(meta['run_signature'], self.run_signature)}. "
+                f"the checkpoint in {path} belongs to another run: {_describe_changes(meta['run_signature'], self.run_signature)}. "
                 "Use another output directory, or the same pair and config to resume."
             )
         maps = load_file(str(path / "translator.safetensors"))
@@ -288,9 +288,14 @@ class Trainer:
         self.history = list(meta["history"])
 
 
-def _first_change(old: Any, new: Any, path: str = "signature") -> str:
+def _changes(old: Any, new: Any, path: str = "signature") -> list[str]:
+    """Every leaf that differs between two run signatures, as `path was X and is now Y`."""
     if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                return _first_change(old.get(key), new.get(key), f"{path}.{key}")
-    return f"{path} was {json.dumps(old, default=str)[:60]} and is now {json.dumps(new, default=str)[:60]}"
+        return [change for key in sorted(set(old) | set(new), key=str) if old.get(key) != new.get(key)
+                for change in _changes(old.get(key), new.get(key), f"{path}.{key}")]
+    return [f"{path} was {json.dumps(old, default=str)[:60]} and is now {json.dumps(new, default=str)[:60]}"]
+
+
+def _describe_changes(old: Any, new: Any, limit: int = 8) -> str:
+    changes = _changes(old, new)
+    return "; ".join(changes[:limit]) + (f"; and {len(changes) - limit} more" if len(changes) > limit else "")

@@ -117,10 +117,10 @@ def test_fit_with_stage2_adds_distilled_kl_and_steps(setup, kvlingo_home):
     again = runner.invoke(app, ["fit", setup["qwen"], setup["llama"], "--config", setup["config"], "--steps", "4",
                                 "--lr", "1e-3", "--output-dir", str(out), "--json"])
     assert json.loads(again.stdout)["val_kl"]["distilled"] == pytest.approx(summary["val_kl"]["distilled"], abs=1e-9)
-    # A different learning rate into the same directory would mix two runs: refused.
+    # A different learning rate into the same directory would mix two runs: refused, naming the field.
     clash = runner.invoke(app, ["fit", setup["qwen"], setup["llama"], "--config", setup["config"], "--steps", "4",
                                 "--lr", "2e-3", "--output-dir", str(out), "--json"])
-    assert clash.exit_code == 2 and "belongs to another run" in " ".join(clash.stderr.split())
+    assert clash.exit_code == 2 and "holds another run (lr 0.001 → 0.002)" in " ".join(clash.stderr.split())
 
 
 def test_non_positive_learning_rate_is_refused_before_loading(setup, kvlingo_home):
