@@ -13,10 +13,12 @@ from translators.layout import CacheLayout, decoder_of
 from translators.points import check_point, keys_to_point
 
 
-# Forward hooks are state on the (shared, frozen) model: a forward run by another thread while this capture's
-# hooks are registered would write into this capture. Captures therefore run one at a time per process
-# (torch already spreads each forward over the cores).
-_HOOKS_LOCK = threading.Lock()
+# Forward hooks and the attention implementation are state on the (shared, frozen) model: a forward run by
+# another thread while this capture's hooks are registered would write into this capture, and a capture that
+# runs while another thread switched the model to eager attention (App. O weights) reads it with other
+# kernels. Whatever registers hooks or changes such state holds this lock, so they run one at a time per
+# process (torch already spreads each forward over the cores). Re-entrant: a holder may capture.
+MODEL_STATE_LOCK = threading.RLock()
 
 
 @dataclass
@@ -81,7 +83,7 @@ def capture(model: nn.Module, layout: CacheLayout, input_ids: torch.Tensor, poin
 
         return hook
 
-    with _HOOKS_LOCK:
+    with MODEL_STATE_LOCK:
         handles = []
         for i, layer in enumerate(decoder_of(model).layers):
             handles.append(layer.self_attn.k_proj.register_forward_hook(keep(raw_keys, i)))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from translators.assignment import check_assignment_name, greedy, r2_assignment, relative_depth, same_type_candidates
-from translators.capture import capture
+from translators.capture import MODEL_STATE_LOCK, capture
 from translators.continuation import kl_per_position, no_prefix_logits, student_logits, teacher_logits
 from translators.errors import ConfigError
 from translators.gram import GramStats
@@ -63,13 +63,14 @@ def attention_weights(target: Side, prefix_ids: torch.Tensor, continuation_ids: 
     """
     ids = torch.cat([prefix_ids, continuation_ids[:-1]]).view(1, -1).to(target.model.device)
     n, m = prefix_ids.numel(), continuation_ids.numel()
-    previous = target.model.config._attn_implementation
-    target.model.set_attn_implementation("eager")  # fused kernels do not return attention probabilities
-    try:
-        with torch.no_grad():
-            attentions = target.model(input_ids=ids, use_cache=False, output_attentions=True, logits_to_keep=1).attentions
-    finally:
-        target.model.set_attn_implementation(previous)
+    with MODEL_STATE_LOCK:  # the switch to eager must not leak into captures on other threads
+        previous = target.model.config._attn_implementation
+        target.model.set_attn_implementation("eager")  # fused kernels do not return attention probabilities
+        try:
+            with torch.no_grad():
+                attentions = target.model(input_ids=ids, use_cache=False, output_attentions=True, logits_to_keep=1).attentions
+        finally:
+            target.model.set_attn_implementation(previous)
     # Each: [1, heads, n+m-1, n+m-1]; rows n-1.. are the queries predicting y_1..y_m, columns :n the prefix.
     per_layer = [a[0, :, n - 1 : n - 1 + m, :n].float().mean(dim=(0, 1)) for a in attentions]
     return torch.stack(per_layer).mean(0).cpu()

@@ -108,3 +108,34 @@ def test_attention_weighted_fit_of_an_exact_map_is_still_exact(qwen):
     torch.testing.assert_close(translator.weight("values", 0), torch.eye(32), atol=1e-3, rtol=0)
     with pytest.raises(ConfigError, match="unknown weighting"):
         accumulate_pair(stats, qwen, qwen, train, "pre_norm", weighting="attn")
+
+
+def test_attention_weighting_never_switches_the_kernel_under_a_concurrent_capture():
+    """Prefect runs Gram shards in threads on one shared model; App. O's weights switch it to eager attention.
+    A capture on another thread must never run while that switch is in effect (it would read other kernels)."""
+    import threading
+
+    from translators.capture import capture
+    from translators.stage1 import attention_weights
+
+    model = tiny_model("qwen3")
+    side = Side(model, cache_layout(model))
+    original = model.config._attn_implementation
+    switched, seen = threading.Event(), []
+    set_impl = model.set_attn_implementation
+
+    def slow_switch(name):  # widen the window in which the model is eager, and say when it opens
+        set_impl(name)
+        if name == "eager":
+            switched.set()
+            threading.Event().wait(0.3)
+
+    model.set_attn_implementation = slow_switch
+    model.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
+    prefix, continuation = prefixes(1, length=20)[0], prefixes(1, length=6, seed=3)[0]
+    worker = threading.Thread(target=attention_weights, args=(side, prefix, continuation))
+    worker.start()
+    switched.wait(5)
+    capture(model, side.layout, prefix)
+    worker.join()
+    assert seen == ["eager", original]  # the weights' forward, then the capture's after the switch back
