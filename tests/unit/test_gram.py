@@ -76,6 +76,8 @@ def test_merged_chunks_equal_one_pass():
         p.accumulate([x[lo:hi] for x in src], [y[lo:hi] for y in tgt])
         parts.append(p)
     merged = parts[0] + parts[1] + parts[2]
+    # fp64 sums of the same 90 products in another order: the reordering error is ≲ 90·2⁻⁵³ ≈ 1e-14 relative;
+    # 1e-12 leaves two orders of magnitude for BLAS kernels that block the sums differently.
     for k in one.xx:
         torch.testing.assert_close(merged.xx[k], one.xx[k], rtol=1e-12, atol=1e-12)
     for k in one.xy:
