@@ -416,17 +416,17 @@ def report(
 
     Refreshes $KVLINGO_HOME/kvlingo.duckdb from the MLflow store first.
     """
-    from registry.report import export_parquet, print_report, refresh_duckdb, report_rows
+    from registry.report import export_parquet, print_report, refresh_duckdb, report_json
 
     try:
         db = refresh_duckdb()
-        rows = report_rows(db)
+        summary = report_json(db)
         files = export_parquet(db, parquet) if parquet else []
     except KvlingoError as err:
         _fail(err)
     err_console.print(f"[dim]DuckDB summary: {db}" + (f"; parquet: {parquet}" if files else "") + "[/]")
     if as_json:
-        sys.stdout.write(json.dumps({"runs": rows}) + "\n")
+        sys.stdout.write(json.dumps(summary) + "\n")
         return
     print_report(db, Console())
 

@@ -308,7 +308,8 @@ def export_parquet(db_path: str | Path, out_dir: str | Path) -> list[Path]:
 
 
 def print_report(db_path: str | Path, console=None) -> None:
-    """Rich tables of a summary file: runs, best translator per direction, learning-rate sweep, benchmark deltas.
+    """Rich tables of a summary file: runs, best translator per direction and validation set (followed by
+    RANKING_NOTE), learning-rate sweep, benchmark deltas.
 
     Raises:
         RegistryError: no summary file.

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from registry.errors import RegistryError, TrackingUnavailableError
-from registry.report import export_parquet, read_table, refresh_duckdb, report_rows
+from registry.report import RANKING_NOTE, export_parquet, read_table, refresh_duckdb, report_rows
 from registry.tracking import (
     check_tracking_uri,
     default_tracking_uri,
@@ -68,14 +68,19 @@ def make_translator(seed: int) -> Translator:
     return tr
 
 
-def fake_fit(tmp_path, *, source=SRC, target=TGT, lr=3e-3, distilled_kl=0.25):
-    """A fit output directory (closed_form/, distilled/, config.yaml, summary.json) and its summary."""
-    out = tmp_path / f"run-{source['name']}-{target['name']}-{lr}"
+def fake_fit(tmp_path, *, source=SRC, target=TGT, lr=3e-3, distilled_kl=0.25, val_set=None):
+    """A fit output directory (closed_form/, distilled/, config.yaml, summary.json) and its summary.
+
+    val_set: the validation-set hash recorded in the translators' data manifest (None: a fit from before data
+    manifests, without one).
+    """
+    out = tmp_path / f"run-{source['name']}-{target['name']}-{lr}-{val_set}"
     kl = {**KL, "distilled": distilled_kl}
+    data = {} if val_set is None else {"data_manifest": {"val_set_sha256": val_set}}
     save_translator(make_translator(0), out / "closed_form", source=source, target=target,
-                    fit={"stage": "closed_form", "val_kl": {k: v for k, v in kl.items() if k != "distilled"}})
+                    fit={"stage": "closed_form", "val_kl": {k: v for k, v in kl.items() if k != "distilled"}, **data})
     save_translator(make_translator(1), out / "distilled", source=source, target=target,
-                    fit={"stage": "distilled", "val_kl": kl, "steps": 4})
+                    fit={"stage": "distilled", "val_kl": kl, "steps": 4, **data})
     history = [{"step": s, "train_kl": 1.0 / s, "lr": lr * s / 4} for s in range(1, 5)]
     history[1]["val_kl"], history[3]["val_kl"] = 0.3, distilled_kl
     summary = {
@@ -172,7 +177,7 @@ def test_register_alias_promote_and_load_back_bit_identical(store, tmp_path):
     assert str(client.get_model_version_by_alias("a--b", "candidate").version) == "2"
     assert client.get_model_version("a--b", "1").tags["val_kl"] == repr(0.40)
 
-    assert promote_best("a--b") == {"name": "a--b", "version": 2, "val_kl": 0.25}
+    assert promote_best("a--b") == {"name": "a--b", "version": 2, "val_kl": 0.25, "val_set_hash": None}
     set_alias("a--b", "candidate", 1)
     assert str(client.get_model_version_by_alias("a--b", "candidate").version) == "1"
     with pytest.raises(ConfigError, match="candidate and champion"):
@@ -226,11 +231,76 @@ def test_a_rebuilt_model_gives_a_new_version_and_only_the_newest_pair_competes(s
     _, _, new = fake_fit(tmp_path, source=rebuilt, lr=1e-2, distilled_kl=0.3)
     assert log_translator_model(new / "distilled") == "models:/a--b/2"
     # Version 1 has the lower KL but cannot serve the rebuilt model, so it does not compete.
-    assert promote_best("a--b") == {"name": "a--b", "version": 2, "val_kl": 0.3}
+    assert promote_best("a--b") == {"name": "a--b", "version": 2, "val_kl": 0.3, "val_set_hash": None}
     _, manifest = load_translator_uri("models:/a--b@champion", source_sig=rebuilt, target_sig=TGT)
     assert manifest["pair"]["source"]["identity"] == rebuilt["identity"]
     with pytest.raises(PairMismatchError, match=r"source\.identity"):
         load_translator_uri("models:/a--b/1", source_sig=rebuilt, target_sig=TGT)
+
+
+def test_only_versions_on_the_newest_validation_set_compete(store, tmp_path):
+    from mlflow import MlflowClient
+
+    # Version 1 has the lowest KL, but on another validation set; version 2 predates data manifests.
+    _, _, other_set = fake_fit(tmp_path, distilled_kl=0.05, val_set="aaa")
+    _, _, untagged = fake_fit(tmp_path, distilled_kl=0.10)
+    _, _, worse = fake_fit(tmp_path, lr=1e-2, distilled_kl=0.30, val_set="bbb")
+    _, _, better = fake_fit(tmp_path, lr=1e-3, distilled_kl=0.20, val_set="bbb")
+    for out in (other_set, untagged, better, worse):
+        log_translator_model(out / "distilled")
+    assert MlflowClient().get_model_version("a--b", "1").tags["kvlingo.val_set_hash"] == "aaa"
+    assert "kvlingo.val_set_hash" not in MlflowClient().get_model_version("a--b", "2").tags
+    # Versions 3 (0.20) and 4 (0.30, the newest) share validation set "bbb": 3 is the champion.
+    assert promote_best("a--b") == {"name": "a--b", "version": 3, "val_kl": 0.20, "val_set_hash": "bbb"}
+    assert str(MlflowClient().get_model_version_by_alias("a--b", "champion").version) == "3"
+    # A newest version without a validation-set hash competes only with other untagged versions.
+    _, _, untagged_newer = fake_fit(tmp_path, lr=5e-3, distilled_kl=0.15)
+    log_translator_model(untagged_newer / "distilled")
+    assert promote_best("a--b") == {"name": "a--b", "version": 2, "val_kl": 0.10, "val_set_hash": None}
+
+
+def test_a_data_manifest_without_its_validation_set_hash_is_refused(store, tmp_path):
+    from translators.artifact import ArtifactError
+
+    out = tmp_path / "no-hash"
+    save_translator(make_translator(1), out, source=SRC, target=TGT,
+                    fit={"stage": "distilled", "val_kl": KL, "data_manifest": {"train_set_sha256": "t"}})
+    with pytest.raises(ArtifactError, match="val_set_sha256"):
+        log_translator_model(out)
+
+
+def test_best_translator_is_ranked_within_a_validation_set(store, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from mlflow import MlflowClient
+
+    runs = {}
+    for key, lr, kl, val_set in (("other", 1e-3, 0.05, "aaa"), ("old", 2e-3, 0.08, None),
+                                 ("best", 3e-3, 0.20, "bbb"), ("worse", 1e-2, 0.30, "bbb")):
+        summary, config, out = fake_fit(tmp_path, lr=lr, distilled_kl=kl)
+        runs[key] = log_fit_run(summary, config, out)
+        if val_set is not None:
+            MlflowClient().set_tag(runs[key], "kvlingo.val_set_hash", val_set)
+    db = refresh_duckdb()
+    best = read_table(db, "best_translators")
+    # One best per validation set: run "other" (0.05) never outranks the runs on set "bbb", nor the untagged run.
+    assert [(b["val_set_hash"], b["run_id"], b["stage"], b["val_kl"]) for b in best] == [
+        ("aaa", runs["other"], "distilled", 0.05), ("bbb", runs["best"], "distilled", 0.20),
+        (None, runs["old"], "distilled", 0.08)]
+    sweep = read_table(db, "lr_sweep")
+    assert [(s["val_set_hash"], s["lr"], s["is_best"]) for s in sweep] == [
+        ("aaa", 1e-3, True), ("bbb", 3e-3, True), ("bbb", 1e-2, False), (None, 2e-3, True)]
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["report", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["best_translators_ranking"] == RANKING_NOTE and "ranked within runs sharing a validation set" in RANKING_NOTE
+    assert [(b["val_set_hash"], b["run_id"], b["val_kl"]) for b in out["best_translators"]] == [
+        ("aaa", runs["other"], 0.05), ("bbb", runs["best"], 0.20), (None, runs["old"], 0.08)]
+    result = runner.invoke(app, ["report"])
+    assert result.exit_code == 0 and RANKING_NOTE in result.stdout and "val set" in result.stdout
 
 
 def test_report_rows_duckdb_views_and_parquet(store, tmp_path):
@@ -299,7 +369,10 @@ def test_cli_report_json_contract_rich_tables_and_parquet(store, tmp_path):
     assert json.loads(result.stdout) == {"runs": [
         {"source": "a", "target": "b", "stage": "closed_form", "val_kl": 0.40, "lr": None, "run_id": run_id},
         {"source": "a", "target": "b", "stage": "distilled", "val_kl": 0.25, "lr": 0.003, "run_id": run_id},
-    ]}
+    ], "best_translators": [
+        {"source": "a", "target": "b", "stage": "distilled", "val_kl": 0.25, "lr": 0.003, "run_id": run_id,
+         "val_set_hash": None},
+    ], "best_translators_ranking": RANKING_NOTE}
     assert (tmp_path / "pq" / "lr_sweep.parquet").is_file()
     result = runner.invoke(app, ["report"])
     assert result.exit_code == 0 and "best translator per direction" in result.stdout and "3.0e-03" in result.stdout
