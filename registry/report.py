@@ -5,7 +5,8 @@
 
 - table `runs`: one row per fit run *and stage* — a fit logs both its closed-form and (with stage 2) its
   distilled translator, so a distilled fit gives two rows. Columns: run_id, experiment, source, target,
-  direction ("a → b"), pair (the two names sorted, "a <-> b"), stage, val_kl, val_kl_se, first_token_kl,
+  direction ("a → b"), pair (the two names sorted, "a <-> b"), stage, val_kl (the seed mean for a fit with several
+  seeds), val_kl_se (standard error over validation items), val_kl_seed_sd (SD over seeds, App. E.1), first_token_kl,
   empty_prefix_kl, random_map_kl, r2_keys, r2_values, lr (distilled rows only), point, assignment,
   val_set_hash (tag `kvlingo.val_set_hash`: the validation set val_kl was measured on; null for runs logged
   before data manifests), parent_run_id, status, start_time;
@@ -15,7 +16,7 @@
   lowest validation KL. A validation KL on other conversations is another measurement, so runs are ranked only
   against runs sharing their validation set; untagged runs (val_set_hash null) form a group of their own;
 - view `lr_sweep`: per direction, validation set and learning rate, the best and mean final validation KL of
-  distilled rows, with `is_best` marking the selected rate within the direction and validation set;
+  distilled rows (sweep cells of several seeds), the SD over those seeds beside the mean item SE, with `is_best` marking the selected rate within the direction and validation set;
 - view `bench_deltas`: per run, benchmark and non-native condition, the difference to `target_native` with a
   confidence interval: the logged paired-bootstrap CI when present (`ci_method = 'paired_bootstrap'`), else a
   normal approximation from both standard errors that ignores pairing (`'normal_unpaired'`, conservative).
@@ -46,7 +47,7 @@ RANKING_NOTE = ("best translators are ranked within runs sharing a validation se
 _RUNS_DDL = """
 CREATE TABLE runs (
     run_id VARCHAR, experiment VARCHAR, source VARCHAR, target VARCHAR, direction VARCHAR, pair VARCHAR,
-    stage VARCHAR, val_kl DOUBLE, val_kl_se DOUBLE, first_token_kl DOUBLE, empty_prefix_kl DOUBLE,
+    stage VARCHAR, val_kl DOUBLE, val_kl_se DOUBLE, val_kl_seed_sd DOUBLE, first_token_kl DOUBLE, empty_prefix_kl DOUBLE,
     random_map_kl DOUBLE, r2_keys DOUBLE, r2_values DOUBLE, lr DOUBLE, point VARCHAR, assignment VARCHAR,
     val_set_hash VARCHAR, parent_run_id VARCHAR, status VARCHAR, start_time TIMESTAMPTZ
 )"""
@@ -60,7 +61,8 @@ _VIEWS_SQL = (
     SELECT * FROM runs WHERE val_kl IS NOT NULL
     QUALIFY row_number() OVER (PARTITION BY source, target, val_set_hash ORDER BY val_kl, start_time DESC) = 1""",
     """CREATE VIEW lr_sweep AS
-    SELECT source, target, val_set_hash, lr, min(val_kl) AS val_kl, avg(val_kl) AS mean_val_kl, count(*) AS n_runs,
+    SELECT source, target, val_set_hash, lr, min(val_kl) AS val_kl, avg(val_kl) AS mean_val_kl,
+           stddev_samp(val_kl) AS seed_sd_val_kl, avg(val_kl_se) AS mean_item_se, count(*) AS n_runs,
            arg_min(run_id, val_kl) AS best_run_id,
            min(val_kl) = min(min(val_kl)) OVER (PARTITION BY source, target, val_set_hash) AS is_best
     FROM runs WHERE stage = 'distilled' AND lr IS NOT NULL AND val_kl IS NOT NULL
@@ -138,6 +140,7 @@ def stage_rows(record: Mapping[str, Any], experiment: str | None) -> list[dict[s
             "direction": f"{source} → {target}", "pair": " <-> ".join(sorted([str(source), str(target)])),
             "stage": stage, "val_kl": val_kl,
             "val_kl_se": _number(record.get(f"metrics.val_kl_se.{stage}")),
+            "val_kl_seed_sd": _number(record.get(f"metrics.val_kl_seed_sd.{stage}")),
             "first_token_kl": _number(record.get(f"metrics.first_token_kl.{stage}")),
             "empty_prefix_kl": _number(record.get("metrics.val_kl.empty_prefix")),
             "random_map_kl": _number(record.get("metrics.val_kl.random_map")),
@@ -324,9 +327,10 @@ def print_report(db_path: str | Path, console=None) -> None:
 
         console.print(f"no fit runs logged in the tracking store {tracking_uri()} yet")
         return
-    table = Table("source → target", "stage", "val KL", "± se", "lr", "run", title="runs (validation KL, nats/token)")
+    table = Table("source → target", "stage", "val KL", "± item se", "± seed SD", "lr", "run", title="runs (validation KL, nats/token)")
     for r in runs:
-        table.add_row(r["direction"], r["stage"], _fmt(r["val_kl"]), _fmt(r["val_kl_se"]), _fmt(r["lr"], ".1e"), r["run_id"][:8])
+        table.add_row(r["direction"], r["stage"], _fmt(r["val_kl"]), _fmt(r["val_kl_se"]), _fmt(r["val_kl_seed_sd"]),
+                      _fmt(r["lr"], ".1e"), r["run_id"][:8])
     console.print(table)
     table = Table("source → target", "val set", "stage", "val KL", "lr", "run", title="best translator per direction")
     for r in read_table(db_path, "best_translators"):
@@ -336,10 +340,12 @@ def print_report(db_path: str | Path, console=None) -> None:
     console.print(RANKING_NOTE, style="dim", soft_wrap=True)
     sweep = read_table(db_path, "lr_sweep")
     if sweep:
-        table = Table("source → target", "val set", "lr", "best val KL", "mean", "runs", "selected", title="learning-rate sweep")
+        table = Table("source → target", "val set", "lr", "best val KL", "mean", "± seed SD", "± item se", "runs",
+                      "selected", title="learning-rate sweep (mean over seeds)")
         for r in sweep:
             table.add_row(f"{r['source']} → {r['target']}", _hash(r["val_set_hash"]), _fmt(r["lr"], ".1e"), _fmt(r["val_kl"]),
-                          _fmt(r["mean_val_kl"]), str(r["n_runs"]), "✓" if r["is_best"] else "")
+                          _fmt(r["mean_val_kl"]), _fmt(r["seed_sd_val_kl"]), _fmt(r["mean_item_se"]), str(r["n_runs"]),
+                          "✓" if r["is_best"] else "")
         console.print(table)
     deltas = read_table(db_path, "bench_deltas")
     if deltas:

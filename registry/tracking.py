@@ -52,7 +52,7 @@ VAL_SET_KEY = "val_set_sha256"
 ALIASES = ("candidate", "champion")
 STAGES = ("closed_form", "distilled")
 BENCH_FIELDS = ("score", "se", "n", "delta", "ci_low", "ci_high")
-KL_GROUPS = ("val_kl", "val_kl_se", "first_token_kl")
+KL_GROUPS = ("val_kl", "val_kl_se", "val_kl_seed_sd", "first_token_kl")  # seed SD: fits with several --seeds
 CONNECT_TIMEOUT_S = 2.0
 # MLflow's own limits: params per batch, metrics per batch, characters of a param value.
 _PARAMS_PER_BATCH, _METRICS_PER_BATCH, _MAX_PARAM_CHARS = 100, 1000, 6000

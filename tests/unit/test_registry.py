@@ -376,3 +376,20 @@ def test_cli_report_json_contract_rich_tables_and_parquet(store, tmp_path):
     assert (tmp_path / "pq" / "lr_sweep.parquet").is_file()
     result = runner.invoke(app, ["report"])
     assert result.exit_code == 0 and "best translator per direction" in result.stdout and "3.0e-03" in result.stdout
+
+
+def test_report_gives_the_seed_sd_beside_the_item_se(store, tmp_path):
+    # A fit with --seeds logs its seed mean and SD; sweep cells of one rate and several seeds get mean ± seed SD.
+    summary, config, out = fake_fit(tmp_path, lr=1e-3, distilled_kl=0.2)
+    summary = {**summary, "val_kl_seed_sd": {"distilled": 0.03}}
+    seeded = log_fit_run(summary, config, out)
+    for kl in (0.30, 0.34):
+        s, c, o = fake_fit(tmp_path / str(kl), lr=2e-3, distilled_kl=kl)
+        log_fit_run(s, c, o)
+    db = refresh_duckdb()
+    rows = {r["run_id"]: r for r in read_table(db, "runs") if r["stage"] == "distilled"}
+    assert rows[seeded]["val_kl_seed_sd"] == 0.03 and rows[seeded]["val_kl_se"] == 0.01
+    sweep = {r["lr"]: r for r in read_table(db, "lr_sweep")}
+    assert sweep[2e-3]["mean_val_kl"] == pytest.approx(0.32)
+    assert sweep[2e-3]["seed_sd_val_kl"] == pytest.approx(0.04 / 2 ** 0.5)  # sample SD of 0.30 and 0.34
+    assert sweep[2e-3]["mean_item_se"] == pytest.approx(0.01) and sweep[2e-3]["n_runs"] == 2
