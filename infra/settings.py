@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Offline-first defaults (DESIGN.md). `setdefault` so that a user who exports HF_HUB_OFFLINE=0 to
-# reach the hub on purpose keeps that choice.
+# Offline-first defaults: the HF, Prefect, MLflow and Ray offline and telemetry switches. `setdefault` so that
+# a user who exports HF_HUB_OFFLINE=0 to reach the hub on purpose keeps that choice.
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
