@@ -9,8 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-SIDES = ("keys", "values")
-
 
 def _pyplot():
     import matplotlib
@@ -49,16 +47,17 @@ def kl_curve(history: list[dict[str, Any]], path: Path, *, title: str) -> Path |
 
 
 def assignment_matrix(assignment: dict[str, dict[str, list[int]]]) -> dict[str, list[list[float]]]:
-    """Per side, a [n_target_layers][n_source_layers] matrix: 1 where the target layer reads the source layer.
+    """Per cache object (keys, values, ...), a [n_target_layers][n_source_layers] matrix: 1 where the target
+    layer reads the source layer.
 
     The source depth is not in a fit summary, so columns run up to the deepest source layer read.
     """
-    n_target = max((int(t) + 1 for side in SIDES for t in assignment.get(side, {})), default=0)
-    n_source = max((s + 1 for side in SIDES for src in assignment.get(side, {}).values() for s in src), default=0)
+    n_target = max((int(t) + 1 for layers in assignment.values() for t in layers), default=0)
+    n_source = max((s + 1 for layers in assignment.values() for src in layers.values() for s in src), default=0)
     matrices = {}
-    for side in SIDES:
+    for side, layers in assignment.items():
         rows = [[0.0] * n_source for _ in range(n_target)]
-        for t, sources in assignment.get(side, {}).items():
+        for t, sources in layers.items():
             for s in sources:
                 rows[int(t)][s] = 1.0
         matrices[side] = rows
@@ -66,14 +65,17 @@ def assignment_matrix(assignment: dict[str, dict[str, list[int]]]) -> dict[str, 
 
 
 def assignment_heatmap(assignment: dict[str, dict[str, list[int]]], path: Path, *, title: str) -> Path | None:
-    """Keys and values assignment matrices side by side (target layer × source layer). None if empty."""
+    """The cache objects' (keys, values, ...) assignment matrices side by side (target layer × source layer).
+    None if empty."""
     matrices = assignment_matrix(assignment)
-    if not matrices["keys"] or not matrices["keys"][0]:
+    first = next(iter(matrices.values()), None)
+    if not first or not first[0]:
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9.0, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, len(matrices), figsize=(4.5 * len(matrices), 4.2), sharey=True, squeeze=False)
+    axes = axes[0]
     try:
-        for ax, side in zip(axes, SIDES):
+        for ax, side in zip(axes, matrices):
             ax.imshow(matrices[side], cmap="Blues", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
             ax.set_title(side)
             ax.set_xlabel("source layer")

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from translators.errors import KvlingoError, PairMismatchError
-from translators.translator import SIDES, Translator
+from translators.translator import Translator
 
 FORMAT = "kvlingo.translator.v1"
 WEIGHTS = "weights.safetensors"
@@ -40,20 +42,34 @@ def save_translator(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().cpu().contiguous() for name, p in translator.maps.items()}
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": FORMAT})
+    weights = save(tensors, metadata={"format": FORMAT})
     manifest = {
         "format": FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "point": translator.point,
         "d_src": translator.d_src,
         "d_tgt": translator.d_tgt,
-        "assignment": {side: {str(t): list(s) for t, s in translator.assignment[side].items()} for side in SIDES},
+        "assignment": {name: {str(t): list(s) for t, s in translator.assignment[name].items()} for name in translator.objects},
         "pair": {"source": source, "target": target},
         "fit": fit,
-        "weights_sha256": _sha256(directory / WEIGHTS),
+        "weights_sha256": hashlib.sha256(weights).hexdigest(),
     }
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    # Weights first, then the manifest that vouches for them; each file is replaced whole, so two processes
+    # saving the same translator (concurrent sweeps) or a reader never see a half-written file.
+    _replace_file(directory / WEIGHTS, weights)
+    _replace_file(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
     return directory
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path`, then rename it onto `path` (atomic on one filesystem)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex}.tmp")  # unique per writer
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
@@ -99,7 +115,8 @@ def load_translator(
     for role, given in (("source", source), ("target", target)):
         if given is not None:
             check_signature(manifest["pair"][role], given, role)
-    assignment = {side: {int(t): tuple(s) for t, s in manifest["assignment"][side].items()} for side in SIDES}
+    # One entry per cache object (GQA: "keys", "values"); the maps are named `<object>_<target layer>`.
+    assignment = {name: {int(t): tuple(s) for t, s in layers.items()} for name, layers in manifest["assignment"].items()}
     translator = Translator(assignment, manifest["d_src"], manifest["d_tgt"], manifest["point"])
     tensors = load_file(str(weights))
     if set(tensors) != set(translator.maps):

@@ -21,7 +21,7 @@ from translators.solve import fit_block, relative_residual
 
 ASSIGNMENTS = ("depth", "greedy", "r2")
 
-Assignment = dict[int, tuple[int, ...]]
+Assignment = dict[int, tuple[int, ...]]  # target layer -> source layers it reads (ordered as the map's blocks)
 
 
 def check_assignment_name(name: str) -> str:

@@ -1,4 +1,4 @@
-"""Capture a model's per-layer keys and values at a chosen point, in one forward pass."""
+"""Capture a model's per-layer cache objects (keys and values for GQA) at a chosen point, in one forward pass."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from torch import nn
 
 from translators.errors import ConfigError, NonFiniteError, PrefixTooLongError
 from translators.layout import CacheLayout, decoder_of
-from translators.points import check_point, keys_to_point
+from translators.objects import CacheObject, cache_objects
+from translators.points import check_point
 
 
 # Forward hooks and the attention implementation are state on the (shared, frozen) model: a forward run by
@@ -23,27 +24,37 @@ MODEL_STATE_LOCK = threading.RLock()
 
 @dataclass
 class Capture:
-    """Per-layer keys and values of one sequence (batch 1).
+    """Per-layer cache objects of one sequence (batch 1).
 
-    keys[l], values[l]: [n_tokens, n_kv_heads * head_dim] at capture point `point`.
-    positions: [n_tokens] the positions the tokens were read at.
+    objects[name][l]: [n_tokens, width] of object `name` (e.g. "keys", "values") in layer l, at capture point
+    `point`. positions: [n_tokens] the positions the tokens were read at.
     """
 
     point: str
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    objects: dict[str, list[torch.Tensor]]
     positions: torch.Tensor
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """GQA keys per layer (objects["keys"])."""
+        return self.objects["keys"]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """GQA values per layer (objects["values"])."""
+        return self.objects["values"]
 
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
 
     def check_finite(self, who: str = "capture") -> None:
-        """Raises NonFiniteError naming the shallowest layer whose keys or values hold NaN/Inf (where it started)."""
-        for layer in range(len(self.keys)):
-            for side, t in (("keys", self.keys[layer]), ("values", self.values[layer])):
-                if not torch.isfinite(t).all():
-                    raise NonFiniteError(f"{who}: NaN/Inf in layer {layer} {side} (capture point {self.point})")
+        """Raises NonFiniteError naming the shallowest layer whose objects hold NaN/Inf (where it started)."""
+        n_layers = len(next(iter(self.objects.values())))
+        for layer in range(n_layers):
+            for name, tensors in self.objects.items():
+                if not torch.isfinite(tensors[layer]).all():
+                    raise NonFiniteError(f"{who}: NaN/Inf in layer {layer} {name} (capture point {self.point})")
 
 
 def check_length(layout: CacheLayout, n_tokens: int, what: str = "prompt") -> None:
@@ -57,37 +68,45 @@ def check_length(layout: CacheLayout, n_tokens: int, what: str = "prompt") -> No
         )
 
 
-def capture(model: nn.Module, layout: CacheLayout, input_ids: torch.Tensor, point: str = "pre_norm") -> Capture:
-    """Run the model once on `input_ids` and keep its keys at `point` and its values.
+def capture(
+    model: nn.Module,
+    layout: CacheLayout,
+    input_ids: torch.Tensor,
+    point: str = "pre_norm",
+    objects: tuple[CacheObject, ...] | None = None,
+) -> Capture:
+    """Run the model once on `input_ids` and keep each cache object at `point`.
 
-    Hooks read the k_proj/v_proj outputs (pre_norm); later points apply the model's own k-norm and RoPE, so
-    sliding-window layers are captured at full length even though the engine keeps only the last window.
+    Hooks read each object's module output (GQA: k_proj/v_proj, i.e. pre_norm); later points apply the model's
+    own k-norm and RoPE, so sliding-window layers are captured at full length even though the engine keeps only
+    the last window.
 
     Args:
         input_ids: [n_tokens] or [1, n_tokens].
+        objects: the objects to capture; default `cache_objects(layout)`.
     Raises:
         ConfigError: batch > 1, empty input, or unknown point. PrefixTooLongError: beyond max positions.
     """
     check_point(point)
+    objects = cache_objects(layout) if objects is None else objects
     ids = input_ids.view(1, -1) if input_ids.dim() == 1 else input_ids
     if ids.shape[0] != 1:
         raise ConfigError(f"capture reads one sequence at a time (batch 1), got batch {ids.shape[0]}")
     n = ids.shape[1]
     check_length(layout, n)
-    raw_keys: dict[int, torch.Tensor] = {}
-    raw_values: dict[int, torch.Tensor] = {}
+    raw: dict[str, dict[int, torch.Tensor]] = {obj.name: {} for obj in objects}
 
     def keep(store: dict[int, torch.Tensor], layer: int):
         def hook(_module, _inputs, output):
-            store[layer] = output[0]  # [n_tokens, n_kv_heads * head_dim]
+            store[layer] = output[0]  # [n_tokens, width]
 
         return hook
 
     with MODEL_STATE_LOCK:
         handles = []
         for i, layer in enumerate(decoder_of(model).layers):
-            handles.append(layer.self_attn.k_proj.register_forward_hook(keep(raw_keys, i)))
-            handles.append(layer.self_attn.v_proj.register_forward_hook(keep(raw_values, i)))
+            for obj in objects:
+                handles.append(obj.module(layer).register_forward_hook(keep(raw[obj.name], i)))
         try:
             # logits_to_keep=1: only the hidden states matter here; full logits of a 262k vocabulary are costly.
             model(input_ids=ids.to(model.device), use_cache=False, logits_to_keep=1)
@@ -95,9 +114,11 @@ def capture(model: nn.Module, layout: CacheLayout, input_ids: torch.Tensor, poin
             for h in handles:
                 h.remove()
     positions = torch.arange(n)
-    keys = [
-        keys_to_point(model, layout, i, raw_keys[i], start="pre_norm", end=point, positions=positions)
-        for i in range(layout.n_layers)
-    ]
-    values = [raw_values[i] for i in range(layout.n_layers)]
-    return Capture(point=point, keys=keys, values=values, positions=positions)
+    captured = {
+        obj.name: [
+            obj.advance(model, layout, i, raw[obj.name][i], start="pre_norm", end=point, positions=positions)
+            for i in range(layout.n_layers)
+        ]
+        for obj in objects
+    }
+    return Capture(point=point, objects=captured, positions=positions)

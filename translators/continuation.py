@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from translators.errors import ConfigError
 from translators.inject import build_cache, decode_step
@@ -47,10 +48,21 @@ def student_logits(
 ) -> torch.Tensor:
     """Predictions for y_1..y_m from an injected cache of x_{1:n-1} (keys/values [n-1, d] per layer): [m, vocab].
 
+    The GQA pair form; `cache_logits` on `inject.write_cache(...)` takes any layout's cache objects.
     Differentiable in keys and values (stage 2 backpropagates through the frozen target into the maps).
     """
     check_sample(prefix_ids, continuation_ids)
-    cache = build_cache(target, layout, keys, values, point=point)
+    return cache_logits(target, build_cache(target, layout, keys, values, point=point), prefix_ids, continuation_ids)
+
+
+def cache_logits(target: nn.Module, cache: DynamicCache, prefix_ids: torch.Tensor, continuation_ids: torch.Tensor) -> torch.Tensor:
+    """Predictions for y_1..y_m from a (translated) cache of x_{1:n-1}: the target runs x_n y_{1:m-1} on top of
+    it (extending it in place): [m, vocab]. Differentiable in the tensors the cache was built from.
+
+    Raises:
+        ConfigError: prefix < 2 tokens or empty continuation.
+    """
+    check_sample(prefix_ids, continuation_ids)
     return decode_step(target, cache, torch.cat([prefix_ids[-1:], continuation_ids[:-1]]))
 
 

@@ -1,7 +1,7 @@
 """Multi-turn model switching (paper §4.7, App. Q, Fig. 32): each model keeps its own cache line.
 
-A `Conversation` holds one shared token history and, per model, a *cache line*: per-layer keys at the
-capture point and values, plus positions, for the first `seen` tokens of the history. The line mixes spans
+A `Conversation` holds one shared token history and, per model, a *cache line*: per-layer cache objects (keys
+at the capture point and values), plus positions, for the first `seen` tokens of the history. The line mixes spans
 the model computed itself (when it generated or read them) and spans translated from another model.
 
 At `switch_to(model)`:
@@ -15,7 +15,7 @@ At `switch_to(model)`:
   generation turns re-prefills the whole history natively at its next switch instead of translating.
 
 Keys and values of what the active model reads and generates are recorded from its own forward passes (hooks
-on k_proj/v_proj), so a model's line holds exactly the cache it decoded with, as in deployment.
+on each cache object's module: k_proj/v_proj), so a model's line holds exactly the cache it decoded with, as in deployment.
 `translation_counts` counts, per written span (start, end), how many times it has been translated.
 """
 
@@ -29,15 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import DynamicCache
 
 from translators.capture import capture
 from translators.errors import ConfigError, KvlingoError, PrefixTooLongError
 from translators.generation import GenerationSettings, decode_from
-from translators.inject import build_cache, decode_step
+from translators.inject import decode_step, write_cache
 from translators.layout import CacheLayout, decoder_of
-from translators.points import keys_to_point
+from translators.objects import cache_objects, object_width
 from translators.stage1 import Side
 from translators.switch import check_translator_fits, resolve_point, translate
 from translators.translator import Translator
@@ -72,54 +71,72 @@ class LineSegment:
 class CacheLine:
     """One model's cache of the history's first `n_tokens` tokens.
 
-    keys[l], values[l]: [n_tokens, n_kv_heads * head_dim] fp32 at capture point `point` (keys); positions:
-    [n_tokens].
+    objects[name][l]: [n_tokens, width] fp32 of cache object `name` (GQA: "keys" at capture point `point`,
+    "values") in layer l; positions: [n_tokens].
     """
 
     point: str
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    objects: dict[str, list[torch.Tensor]]
     positions: torch.Tensor
     segments: list[LineSegment] = field(default_factory=list)
     translated_since_turn: int | None = None  # turn count when translated content first entered (None: native)
 
     @classmethod
     def empty(cls, layout: CacheLayout, point: str, device: torch.device) -> CacheLine:
-        width = layout.kv_width
-        blank = [torch.zeros(0, width, device=device) for _ in range(layout.n_layers)]
-        return cls(point, blank, [t.clone() for t in blank], torch.zeros(0, dtype=torch.long))
+        objects = {
+            obj.name: [torch.zeros(0, object_width(obj, layout), device=device) for _ in range(layout.n_layers)]
+            for obj in cache_objects(layout)
+        }
+        return cls(point, objects, torch.zeros(0, dtype=torch.long))
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """GQA keys per layer (objects["keys"])."""
+        return self.objects["keys"]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """GQA values per layer (objects["values"])."""
+        return self.objects["values"]
 
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
 
-    def append(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], start: int, origin: str, hops: int) -> None:
+    def append(self, tensors: Mapping[str, Sequence[torch.Tensor]], start: int, origin: str, hops: int) -> None:
         """Append a span at positions start.. (start must equal n_tokens: lines grow without gaps).
 
+        Args:
+            tensors: object name → per layer [n_new, width], for every object of the line.
         Raises:
-            ConversationStateError: a gap or overlap, or a wrong number of layers.
+            ConversationStateError: a gap or overlap, other objects, or a wrong number of layers.
         """
         if start != self.n_tokens:
             raise ConversationStateError(f"a span starting at {start} cannot follow a line of {self.n_tokens} tokens")
-        if len(keys) != len(self.keys) or len(values) != len(self.values):
-            raise ConversationStateError(f"expected {len(self.keys)} layers, got {len(keys)} keys and {len(values)} values")
-        n = int(keys[0].shape[0])
-        device = self.keys[0].device
-        self.keys = [torch.cat([old, new.detach().to(device, torch.float32)]) for old, new in zip(self.keys, keys)]
-        self.values = [torch.cat([old, new.detach().to(device, torch.float32)]) for old, new in zip(self.values, values)]
+        if set(tensors) != set(self.objects) or any(len(tensors[name]) != len(xs) for name, xs in self.objects.items()):
+            expected = ", ".join(f"{len(xs)} {name}" for name, xs in self.objects.items())
+            given = ", ".join(f"{len(xs)} {name}" for name, xs in tensors.items())
+            raise ConversationStateError(f"expected layers of {expected}, got {given}")
+        first = next(iter(self.objects))
+        n = int(tensors[first][0].shape[0])
+        device = self.objects[first][0].device
+        self.objects = {
+            name: [torch.cat([old, new.detach().to(device, torch.float32)]) for old, new in zip(xs, tensors[name])]
+            for name, xs in self.objects.items()
+        }
         self.positions = torch.cat([self.positions, torch.arange(start, start + n)])
         if n:
             self.segments.append(LineSegment(start, start + n, origin, hops))
 
-    def slice(self, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values of tokens [start, end): lists over layers of [end - start, width]."""
-        return [k[start:end] for k in self.keys], [v[start:end] for v in self.values]
+    def slice(self, start: int, end: int) -> dict[str, list[torch.Tensor]]:
+        """Each object's tokens [start, end): name → list over layers of [end - start, width]."""
+        return {name: [x[start:end] for x in xs] for name, xs in self.objects.items()}
 
     def to_cache(self, side: Side) -> DynamicCache:
         """A fresh engine cache holding this line (the model's k-norm and RoPE applied at the line's positions)."""
         if self.n_tokens == 0:
             return DynamicCache(config=side.model.config)
-        return build_cache(side.model, side.layout, self.keys, self.values, point=self.point, positions=self.positions)
+        return write_cache(side.model, side.layout, self.objects, point=self.point, positions=self.positions)
 
 
 @dataclass
@@ -218,7 +235,7 @@ class Conversation:
         self.tokens.extend(ids)
 
     def generate(self, settings: GenerationSettings | None = None) -> TurnResult:
-        """The holder reads the tokens its line lacks and generates; its own keys/values join its line.
+        """The holder reads the tokens its line lacks and generates; its own cache objects join its line.
 
         Raises:
             ConfigError: empty history, invalid settings. PrefixTooLongError: history + budget beyond positions.
@@ -233,7 +250,7 @@ class Conversation:
         if start != self._written():
             raise ConversationStateError(f"{name} covers {start} tokens but {self._written()} were written")
         pending = torch.tensor(self.tokens[start:])
-        with torch.no_grad(), _recording(side.model) as raw:
+        with torch.no_grad(), _recording(side) as raw:
             cache = line.to_cache(side)
             t0 = time.perf_counter()
             logits = decode_step(side.model, cache, pending, logits_to_keep=1)[-1]
@@ -241,8 +258,7 @@ class Conversation:
             decoded = decode_from(side.model, cache, logits, settings)
         # The last generated token was not fed back, so the recorded rows stop just before it.
         count = pending.numel() + len(decoded.token_ids) - 1
-        keys, values = _own_kv(side, raw, start, count, self.point)
-        line.append(keys, values, start, origin=name, hops=0)
+        line.append(_own_objects(side, raw, start, count, self.point), start, origin=name, hops=0)
         self._add_span(Span(start, start + count, name))
         position = len(self.tokens)
         self.tokens.extend(decoded.token_ids)
@@ -293,8 +309,8 @@ class Conversation:
                 continue
             writer = self.lines[span.writer]
             _check_native(writer, span)
-            keys, values = translate(self.translators[(span.writer, incoming)], *writer.slice(start, end))
-            line.append(keys, values, start, origin=span.writer, hops=1)
+            line.append(translate(self.translators[(span.writer, incoming)], writer.slice(start, end)), start,
+                        origin=span.writer, hops=1)
             if line.translated_since_turn is None:
                 line.translated_since_turn = self.n_turns
             self.translation_counts[(span.start, span.end)] += 1
@@ -304,13 +320,13 @@ class Conversation:
     def _switch_naive(self, outgoing: str, incoming: str) -> SwitchRecord:
         """Replace the incoming line by a translation of the outgoing model's whole line."""
         source = self.lines[outgoing]
-        keys, values = translate(self.translators[(outgoing, incoming)], source.keys, source.values)
+        translated = translate(self.translators[(outgoing, incoming)], source.objects)
         side = self.models[incoming]
         fresh = CacheLine.empty(side.layout, self.point, side.model.device)
         previous = self.lines[incoming].translated_since_turn
         fresh.translated_since_turn = self.n_turns if previous is None else previous
         for seg in source.segments:
-            fresh.append([k[seg.start:seg.end] for k in keys], [v[seg.start:seg.end] for v in values],
+            fresh.append({name: [x[seg.start:seg.end] for x in xs] for name, xs in translated.items()},
                          seg.start, origin=seg.origin, hops=seg.hops + 1)
         self.lines[incoming] = fresh
         for span in self.spans:
@@ -335,7 +351,7 @@ class Conversation:
         if upto:
             with torch.no_grad():
                 cap = capture(side.model, side.layout, torch.tensor(self.tokens[:upto]), self.point)
-            line.append(cap.keys, cap.values, 0, origin=incoming, hops=0)
+            line.append(cap.objects, 0, origin=incoming, hops=0)
         self.lines[incoming] = line
         return SwitchRecord(outgoing, incoming, "refresh", [], upto, 0.0)
 
@@ -344,12 +360,11 @@ class Conversation:
         return self.refresh_every is not None and since is not None and self.n_turns - since >= self.refresh_every
 
     def _read_natively(self, name: str, start: int, end: int) -> None:
-        """`name` runs over history tokens [start, end) on top of its line; their keys/values join it."""
+        """`name` runs over history tokens [start, end) on top of its line; their cache objects join it."""
         side, line = self.models[name], self.lines[name]
-        with torch.no_grad(), _recording(side.model) as raw:
+        with torch.no_grad(), _recording(side) as raw:
             decode_step(side.model, line.to_cache(side), torch.tensor(self.tokens[start:end]), logits_to_keep=1)
-        keys, values = _own_kv(side, raw, start, end - start, self.point)
-        line.append(keys, values, start, origin=name, hops=0)
+        line.append(_own_objects(side, raw, start, end - start, self.point), start, origin=name, hops=0)
 
     # --- Helpers ----------------------------------------------------------------------------------
 
@@ -430,20 +445,22 @@ def _check_native(line: CacheLine, span: Span) -> None:
 
 
 @contextmanager
-def _recording(model: nn.Module) -> Iterator[dict[str, dict[int, list[torch.Tensor]]]]:
-    """Record every k_proj/v_proj output (pre_norm keys, values) of the model's forwards, per layer."""
-    raw: dict[str, dict[int, list[torch.Tensor]]] = {"keys": {}, "values": {}}
+def _recording(side: Side) -> Iterator[dict[str, dict[int, list[torch.Tensor]]]]:
+    """Record every cache object's module output (pre_norm; GQA: k_proj/v_proj) of the model's forwards, per
+    object and layer."""
+    objects = cache_objects(side.layout)
+    raw: dict[str, dict[int, list[torch.Tensor]]] = {obj.name: {} for obj in objects}
     handles = []
 
-    def keep(side: str, layer: int):
+    def keep(name: str, layer: int):
         def hook(_module, _inputs, output):
-            raw[side].setdefault(layer, []).append(output[0].detach())  # [n_new, width]
+            raw[name].setdefault(layer, []).append(output[0].detach())  # [n_new, width]
 
         return hook
 
-    for i, layer in enumerate(decoder_of(model).layers):
-        handles.append(layer.self_attn.k_proj.register_forward_hook(keep("keys", i)))
-        handles.append(layer.self_attn.v_proj.register_forward_hook(keep("values", i)))
+    for i, layer in enumerate(decoder_of(side.model).layers):
+        for obj in objects:
+            handles.append(obj.module(layer).register_forward_hook(keep(obj.name, i)))
     try:
         yield raw
     finally:
@@ -451,19 +468,23 @@ def _recording(model: nn.Module) -> Iterator[dict[str, dict[int, list[torch.Tens
             h.remove()
 
 
-def _own_kv(side: Side, raw, start: int, count: int, point: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Recorded rows for history tokens [start, start + count) with keys moved to `point`.
+def _own_objects(side: Side, raw, start: int, count: int, point: str) -> dict[str, list[torch.Tensor]]:
+    """Recorded rows for history tokens [start, start + count), each object moved to `point` (name → per layer
+    [count, width]).
 
     Raises:
         ConversationStateError: the recorded rows do not cover exactly `count` tokens.
     """
     positions = torch.arange(start, start + count)
-    keys, values = [], []
+    objects = cache_objects(side.layout)
+    out: dict[str, list[torch.Tensor]] = {obj.name: [] for obj in objects}
     for layer in range(side.layout.n_layers):
-        k = torch.cat(raw["keys"][layer])
-        v = torch.cat(raw["values"][layer])
-        if k.shape[0] != count or v.shape[0] != count:
-            raise ConversationStateError(f"recorded {k.shape[0]} rows for {count} tokens in layer {layer}")
-        keys.append(keys_to_point(side.model, side.layout, layer, k, start="pre_norm", end=point, positions=positions))
-        values.append(v)
-    return keys, values
+        rows = {obj.name: torch.cat(raw[obj.name][layer]) for obj in objects}
+        if any(x.shape[0] != count for x in rows.values()):
+            found = ", ".join(f"{x.shape[0]} {name}" for name, x in rows.items())
+            raise ConversationStateError(f"recorded {found} rows for {count} tokens in layer {layer}")
+        for obj in objects:
+            out[obj.name].append(
+                obj.advance(side.model, side.layout, layer, rows[obj.name], start="pre_norm", end=point, positions=positions)
+            )
+    return out

@@ -11,6 +11,7 @@ one chunk's logits are alive at a time, forward and backward.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from translators.capture import Capture
 from translators.continuation import check_sample
 from translators.errors import ConfigError
-from translators.inject import build_cache
+from translators.inject import write_cache
 from translators.layout import CacheLayout, decoder_of
 from translators.translator import Translator
 
@@ -66,14 +67,17 @@ def teacher_hidden(target: nn.Module, prefix_ids: torch.Tensor, continuation_ids
 def student_hidden(
     target: nn.Module,
     layout: CacheLayout,
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+    tensors: Mapping[str, Sequence[torch.Tensor]],
     point: str,
     prefix_ids: torch.Tensor,
     continuation_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """Final hidden states [m, d] of the target reading x_n y_{1:m-1} on the injected cache of x_{1:n-1}."""
-    cache = build_cache(target, layout, keys, values, point=point)
+    """Final hidden states [m, d] of the target reading x_n y_{1:m-1} on the injected cache of x_{1:n-1}.
+
+    Args:
+        tensors: cache object name → per target layer [n-1, width] (`inject.write_cache`).
+    """
+    cache = write_cache(target, layout, tensors, point=point)
     ids = torch.cat([prefix_ids[-1:], continuation_ids[:-1]]).view(1, -1).to(target.device)
     return decoder_of(target)(input_ids=ids, cache=cache, use_cache=True).last_hidden_state[0]
 
@@ -136,6 +140,6 @@ def sample_loss(
     check_sample(prefix_ids, continuation_ids)
     if teacher is None:
         teacher = teacher_hidden(target, prefix_ids, continuation_ids)
-    keys, values = translator(source_capture.keys, source_capture.values)
-    student = student_hidden(target, target_layout, keys, values, translator.point, prefix_ids, continuation_ids)
+    translated = translator.translate_objects(source_capture.objects)
+    student = student_hidden(target, target_layout, translated, translator.point, prefix_ids, continuation_ids)
     return continuation_loss(target, student, teacher, continuation_ids, objective)

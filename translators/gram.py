@@ -23,8 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from translators.errors import ConfigError, NonFiniteError, PairMismatchError
-
-SIDES = ("keys", "values")
+from translators.objects import OBJECT_NAMES, CacheObject
 
 # Bumped whenever the on-disk layout changes, so old files fail loudly instead of
 # being misread.
@@ -86,9 +85,9 @@ def _pairs(candidates: Candidates) -> list[tuple[int, int]]:
 
 @dataclass
 class GramStats:
-    """Second moments for one side ("keys" or "values") over the candidate layer pairs."""
+    """Second moments for one cache object (e.g. "keys" or "values") over the candidate layer pairs."""
 
-    side: str
+    side: str  # the object's name
     candidates: dict[int, tuple[int, ...]]  # target layer -> candidate source layers (0-indexed)
     xx: dict[tuple[int, int], torch.Tensor]  # (s, s'), s <= s': [d_src, d_src] fp64 = sum_i w_i x_{s,i} x_{s',i}^T
     xy: dict[tuple[int, int], torch.Tensor]  # (s, l): [d_src, d_tgt] fp64 = sum_i w_i x_{s,i} y_{l,i}^T
@@ -101,7 +100,7 @@ class GramStats:
     @classmethod
     def empty(
         cls,
-        side: str,
+        side: str | CacheObject,
         candidates: dict[int, Sequence[int]],
         d_src: int,
         d_tgt: int,
@@ -111,7 +110,8 @@ class GramStats:
         """Zero statistics for ``candidates``.
 
         Args:
-            side: "keys" or "values".
+            side: the cache object, or the name of one an adapter defines (`objects.OBJECT_NAMES`, e.g.
+                "keys" or "values").
             candidates: target layer -> candidate source layers (0-indexed).
             d_src, d_tgt: feature widths of one source / target layer.
             device: where the sums live (inputs are moved there before the matmul).
@@ -119,8 +119,10 @@ class GramStats:
         Raises:
             ConfigError: unknown side, bad candidates, or non-positive widths.
         """
-        if side not in SIDES:
-            raise ConfigError(f"side must be one of {SIDES}, got {side!r}")
+        if isinstance(side, CacheObject):
+            side = side.name
+        elif side not in OBJECT_NAMES:
+            raise ConfigError(f"side must be a CacheObject or one of {OBJECT_NAMES}, got {side!r}")
         for name, d in (("d_src", d_src), ("d_tgt", d_tgt)):
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise ConfigError(f"{name} must be a positive integer feature width, got {d!r}")
@@ -394,7 +396,7 @@ class GramStats:
             if meta.get("format") != _FORMAT:
                 raise PairMismatchError(f"{path} has format {meta.get('format')!r}, expected {_FORMAT!r}")
             tensors = {k: f.get_tensor(k).to(device) for k in f.keys()}
-        if meta.get("side") not in SIDES:
+        if meta.get("side") not in OBJECT_NAMES:
             raise PairMismatchError(f"{path}: unknown side {meta.get('side')!r}")
         cands = normalize_candidates({int(t): tuple(srcs) for t, srcs in meta["candidates"].items()})
         xx, xy, yy = {}, {}, {}

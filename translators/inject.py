@@ -1,8 +1,8 @@
-"""Write keys and values (e.g. translated ones) into a fresh transformers cache the target decodes from."""
+"""Write cache objects (e.g. translated keys and values) into a fresh transformers cache the target decodes from."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -10,55 +10,78 @@ from transformers import DynamicCache
 
 from translators.errors import ConfigError
 from translators.layout import CacheLayout
-from translators.points import keys_to_point
+from translators.objects import cache_objects, engine_tensor
 
 
 def build_cache(
     model: nn.Module,
     layout: CacheLayout,
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
+    *tensors: Sequence[torch.Tensor],
+    point: str,
+    positions: torch.Tensor | None = None,
+) -> DynamicCache:
+    """Build the target's cache from one list per cache object, in `cache_objects(layout)` order (GQA: keys
+    at `point`, then values). See `write_cache`.
+
+    Raises:
+        ConfigError: a number of lists other than the layout's objects, wrong number of layers or shapes.
+    """
+    objects = cache_objects(layout)
+    if len(tensors) != len(objects):
+        raise ConfigError(
+            f"the target's cache holds {len(objects)} objects ({', '.join(o.name for o in objects)}) per layer but "
+            f"{len(tensors)} lists of tensors were given"
+        )
+    return write_cache(model, layout, {obj.name: t for obj, t in zip(objects, tensors)}, point=point, positions=positions)
+
+
+def write_cache(
+    model: nn.Module,
+    layout: CacheLayout,
+    tensors: Mapping[str, Sequence[torch.Tensor]],
     *,
     point: str,
     positions: torch.Tensor | None = None,
 ) -> DynamicCache:
-    """Build the target's cache from per-layer keys at `point` and values.
+    """Build the target's cache from per-layer tensors of each cache object, keyed by object name.
 
     The target's own k-norm (from pre_norm) and RoPE (from pre_norm/post_norm) are applied at `positions`.
-    Sliding-window layers keep only their window, as the engine does. Differentiable in keys and values, so
+    Sliding-window layers keep only their window, as the engine does. Differentiable in every tensor, so
     stage 2 trains through it. Build a fresh cache for every forward: decoding extends it in place.
 
     Args:
-        keys, values: one [n_tokens, n_kv_heads * head_dim] tensor per target layer.
+        tensors: object name → one [n_tokens, width] tensor per target layer (GQA: "keys" at `point`, "values").
         positions: [n_tokens] positions of the cached tokens; default 0..n_tokens-1.
     Raises:
-        ConfigError: wrong number of layers or shapes.
+        ConfigError: objects other than the layout's, wrong number of layers or shapes.
     """
-    if len(keys) != layout.n_layers or len(values) != layout.n_layers:
+    objects = cache_objects(layout)
+    if set(tensors) != {obj.name for obj in objects}:
         raise ConfigError(
-            f"the target has {layout.n_layers} layers but {len(keys)} key and {len(values)} value tensors were given"
+            f"the target's cache holds {', '.join(o.name for o in objects)} per layer, got {', '.join(tensors)}"
         )
-    n = keys[0].shape[0]
+    if any(len(tensors[obj.name]) != layout.n_layers for obj in objects):
+        given = " and ".join(f"{len(tensors[obj.name])} {obj.name}" for obj in objects)
+        raise ConfigError(f"the target has {layout.n_layers} layers but {given} layers were given")
+    n = tensors[objects[0].name][0].shape[0]
     positions = torch.arange(n) if positions is None else positions
     if positions.shape != (n,):
         raise ConfigError(f"positions must have shape [{n}], got {list(positions.shape)}")
     dtype = next(model.parameters()).dtype
     data = []
-    for i, (k, v) in enumerate(zip(keys, values)):
-        kv = layout.layers[i].kv
-        if k.shape != (n, kv.width) or v.shape != (n, kv.width):
+    for i in range(layout.n_layers):
+        layer = [tensors[obj.name][i] for obj in objects]
+        expected = [(n, obj.width(layout.layers[i])) for obj in objects]
+        if any(x.shape != shape for x, shape in zip(layer, expected)):
             raise ConfigError(
-                f"layer {i}: expected keys and values of shape [{n}, {kv.width}], got {list(k.shape)} and {list(v.shape)}"
+                f"layer {i}: expected {', '.join(o.name for o in objects)} of shapes {[list(e) for e in expected]}, "
+                f"got {[list(x.shape) for x in layer]}"
             )
-        k = keys_to_point(model, layout, i, k.to(dtype), start=point, end="post_rope", positions=positions)
-        data.append((_heads_first(k, kv.n_kv_heads), _heads_first(v.to(dtype), kv.n_kv_heads)))
+        data.append(
+            tuple(engine_tensor(obj, model, layout, i, x.to(dtype), point=point, positions=positions)
+                  for obj, x in zip(objects, layer))
+        )
     return DynamicCache(ddp_cache_data=data, config=model.config)
-
-
-def _heads_first(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[n_tokens, H * hd] → [1, H, n_tokens, hd], the engine's layout."""
-    n = x.shape[0]
-    return x.view(n, n_heads, -1).transpose(0, 1).unsqueeze(0)
 
 
 def decode_step(

@@ -3,7 +3,8 @@
 Today every supported family (Llama/SmolLM2, Qwen3, Gemma-3, Mistral) stores one object per layer, an
 attention key/value pair (`AttentionKV`). The hybrid-cache paper adds MLA latents, recurrent states and
 sparse-attention indexer keys; those become further object kinds in `LayerLayout.objects`, so code that
-walks a layout asks for the kind it understands instead of assuming K/V everywhere.
+walks a layout asks for the kind it understands instead of assuming K/V everywhere. Each kind's adapter
+(capture, width, engine-cache writing, object names) is in `translators.objects`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from torch import nn
 
 from translators.capture import capture, check_length
 from translators.errors import ConfigError
-from translators.inject import build_cache, decode_step
+from translators.inject import decode_step, write_cache
 from translators.layout import CacheLayout
 
 
@@ -21,7 +21,7 @@ from translators.layout import CacheLayout
 class RoundTrip:
     point: str
     max_abs_logit_diff: float  # max |native − injected| over the vocabulary at the next-token position
-    grad_ok: bool  # every injected layer's keys and values received a finite, non-zero gradient
+    grad_ok: bool  # every injected layer's cache objects (keys and values) received a finite, non-zero gradient
     layers_without_grad: tuple[int, ...]
 
 
@@ -45,16 +45,17 @@ def roundtrip(model: nn.Module, layout: CacheLayout, input_ids: torch.Tensor, po
     with torch.no_grad():
         native = native_next_logits(model, ids).float()
         cap = capture(model, layout, ids[:-1], point)
-    keys = [k.detach().clone().requires_grad_(True) for k in cap.keys]
-    values = [v.detach().clone().requires_grad_(True) for v in cap.values]
-    cache = build_cache(model, layout, keys, values, point=point)
+    leaves = {name: [x.detach().clone().requires_grad_(True) for x in xs] for name, xs in cap.objects.items()}
+    cache = write_cache(model, layout, leaves, point=point)
     logits = decode_step(model, cache, ids[-1:], logits_to_keep=1)[-1].float()
     diff = (logits - native).abs().max().item()
-    # A loss that depends on every logit, so each layer's keys and values get a gradient.
+    # A loss that depends on every logit, so each layer's cache objects get a gradient.
     torch.log_softmax(logits, -1).mul(torch.softmax(native, -1)).sum().neg().backward()
-    missing = tuple(
-        i
-        for i, (k, v) in enumerate(zip(keys, values))
-        if not all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in (k.grad, v.grad))
-    )
+    missing = tuple(i for i in range(layout.n_layers) if not all(_has_grad(xs[i]) for xs in leaves.values()))
     return RoundTrip(point=point, max_abs_logit_diff=diff, grad_ok=not missing, layers_without_grad=missing)
+
+
+def _has_grad(x: torch.Tensor) -> bool:
+    """A finite, non-zero gradient reached x."""
+    g = x.grad
+    return g is not None and bool(torch.isfinite(g).all()) and bool(g.abs().sum() > 0)

@@ -14,12 +14,14 @@ from torch import nn
 
 from translators.assignment import check_assignment_name, greedy, r2_assignment, relative_depth, same_type_candidates
 from translators.capture import MODEL_STATE_LOCK, capture
-from translators.continuation import kl_per_position, no_prefix_logits, student_logits, teacher_logits
+from translators.continuation import cache_logits, kl_per_position, no_prefix_logits, teacher_logits
 from translators.errors import ConfigError
 from translators.gram import GramStats
+from translators.inject import write_cache
 from translators.layout import CacheLayout
+from translators.objects import CacheObject, cache_objects, object_width
 from translators.solve import fit_map, relative_residual
-from translators.translator import SIDES, Translator
+from translators.translator import Translator
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,21 @@ def candidate_layers(source: CacheLayout, target: CacheLayout, method: str, nu: 
     return same_type_candidates(source.attention_types, target.attention_types)
 
 
-def empty_stats(source: CacheLayout, target: CacheLayout, candidates: dict[int, tuple[int, ...]]) -> dict[str, GramStats]:
-    return {side: GramStats.empty(side, candidates, source.kv_width, target.kv_width) for side in SIDES}
+def empty_stats(
+    source: CacheLayout,
+    target: CacheLayout,
+    candidates: dict[int, tuple[int, ...]],
+    objects: tuple[CacheObject, ...] | None = None,
+) -> dict[str, GramStats]:
+    """Zero statistics per cache object, keyed by object name, at the objects' source and target widths.
+
+    Args:
+        objects: the objects to fit; default the target's `cache_objects` (GQA: keys, values).
+    Raises:
+        UnsupportedModelError: an object's width differs across layers.
+    """
+    objects = cache_objects(target) if objects is None else objects
+    return {obj.name: GramStats.empty(obj, candidates, object_width(obj, source), object_width(obj, target)) for obj in objects}
 
 
 WEIGHTINGS = ("uniform", "attention")
@@ -85,38 +100,45 @@ def accumulate_pair(
     *,
     weighting: str = "uniform",
     on_sample: Callable[[int], None] | None = None,
+    objects: tuple[CacheObject, ...] | None = None,
 ) -> dict[str, GramStats]:
     """Add the paired captures of each sample's prefix ([n] token ids, same tokenizer) to `stats` (in place).
 
     weighting: "uniform" (the Frobenius fit of eq. 3.2) or "attention" (App. O's attention-weighted norm; the
     continuation is read only to weight the prefix positions).
+    objects: the cache objects `stats` holds (by name); default the target's `cache_objects`.
 
     Raises:
-        ConfigError: unknown weighting. NonFiniteError: a capture holds NaN/Inf (model and layer named).
+        ConfigError: unknown weighting, or `stats` not keyed by the objects' names.
+        NonFiniteError: a capture holds NaN/Inf (model and layer named).
     """
     if weighting not in WEIGHTINGS:
         raise ConfigError(f"unknown weighting {weighting!r}; choose from {', '.join(WEIGHTINGS)}")
+    objects = cache_objects(target.layout) if objects is None else objects
+    if set(stats) != {obj.name for obj in objects}:
+        raise ConfigError(f"statistics of {sorted(stats)} cannot accumulate objects {[obj.name for obj in objects]}")
     with torch.no_grad():
         for prefix, continuation in samples:
-            src = capture(source.model, source.layout, prefix, point)
-            tgt = capture(target.model, target.layout, prefix, point)
+            src = capture(source.model, source.layout, prefix, point, objects)
+            tgt = capture(target.model, target.layout, prefix, point, objects)
             src.check_finite("source")
             tgt.check_finite("target")
             weights = attention_weights(target, prefix, continuation) if weighting == "attention" else None
-            stats["keys"].accumulate(src.keys, tgt.keys, weights)
-            stats["values"].accumulate(src.values, tgt.values, weights)
+            for obj in objects:
+                stats[obj.name].accumulate(src.objects[obj.name], tgt.objects[obj.name], weights)
             if on_sample:
                 on_sample(prefix.numel())
     return stats
 
 
 def assign_layers(stats: dict[str, GramStats], source: CacheLayout, target: CacheLayout, method: str, nu: int) -> dict:
-    """The assignment {side: {target layer: source layers}}; keys and values ranked separately (greedy, R²)."""
+    """The assignment {object name: {target layer: source layers}} for the objects `stats` holds; each object
+    (keys, values) is ranked separately (greedy, R²)."""
     if method == "depth":
         band = relative_depth(source.n_layers, target.n_layers, nu, source.attention_types, target.attention_types)
-        return {side: band for side in SIDES}
+        return {name: band for name in stats}
     choose = greedy if method == "greedy" else r2_assignment
-    return {side: choose(stats[side], nu) for side in SIDES}
+    return {name: choose(object_stats, nu) for name, object_stats in stats.items()}
 
 
 def solve_translator(
@@ -129,24 +151,32 @@ def solve_translator(
     ridge: float = 0.0,
     head_wise: bool = False,
 ) -> Translator:
-    """Closed-form maps (eigen pseudo-inverse, or ridge when `ridge` > 0) for every target layer and side."""
-    translator = Translator(assignment, source.kv_width, target.kv_width, point)
+    """Closed-form maps (eigen pseudo-inverse, or ridge when `ridge` > 0) for every target layer and object.
+
+    Raises:
+        ConfigError: the assigned objects' statistics have different widths (one translator, one width).
+    """
+    widths = {(stats[name].d_src, stats[name].d_tgt) for name in assignment}
+    if len(widths) != 1:
+        raise ConfigError(f"the objects {sorted(assignment)} have different widths {sorted(widths)}; fit them separately")
+    d_src, d_tgt = widths.pop()
+    translator = Translator(assignment, d_src, d_tgt, point)
     heads = {"n_heads_src": source.layers[0].kv.n_kv_heads, "n_heads_tgt": target.layers[0].kv.n_kv_heads}
-    for side in SIDES:
-        for t, sources in assignment[side].items():
-            weight = fit_map(stats[side], t, sources, ridge=ridge, head_wise=head_wise, **heads)
-            translator.set_weight(side, t, weight)
+    for name in translator.objects:
+        for t, sources in assignment[name].items():
+            weight = fit_map(stats[name], t, sources, ridge=ridge, head_wise=head_wise, **heads)
+            translator.set_weight(name, t, weight)
     return translator
 
 
 def heldout_r2(stats: dict[str, GramStats], translator: Translator) -> dict[str, list[float]]:
-    """R² = 1 − ‖Y − X T‖²/‖Y‖² per target layer and side, on statistics of held-out samples."""
+    """R² = 1 − ‖Y − X T‖²/‖Y‖² per object and target layer, on statistics of held-out samples."""
     return {
-        side: [
-            1.0 - relative_residual(stats[side], t, sources, translator.weight(side, t).detach())
-            for t, sources in sorted(translator.assignment[side].items())
+        name: [
+            1.0 - relative_residual(stats[name], t, sources, translator.weight(name, t).detach())
+            for t, sources in sorted(translator.assignment[name].items())
         ]
-        for side in SIDES
+        for name in translator.objects
     }
 
 
@@ -198,8 +228,9 @@ def validation_kl(
                 student = no_prefix_logits(target.model, prefix, continuation)
             else:
                 cap = capture(source.model, source.layout, prefix[:-1], translator.point)
-                keys, values = translator(cap.keys, cap.values)
-                student = student_logits(target.model, target.layout, keys, values, translator.point, prefix, continuation)
+                cache = write_cache(target.model, target.layout, translator.translate_objects(cap.objects),
+                                    point=translator.point)
+                student = cache_logits(target.model, cache, prefix, continuation)
             kl = kl_per_position(teacher, student)
             means.append(kl.mean().item())
             firsts.append(kl[0].item())

@@ -18,7 +18,7 @@ Timings (seconds, wall clock, GPU work synchronised):
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +28,12 @@ from transformers import DynamicCache
 from translators.capture import Capture, capture, check_length
 from translators.errors import ConfigError, PairMismatchError, PrefixTooLongError
 from translators.generation import GenerationSettings, decode_from, sync
-from translators.inject import _heads_first, decode_step
+from translators.inject import decode_step
 from translators.layout import CacheLayout
-from translators.points import check_point, keys_to_point
+from translators.objects import cache_objects, engine_tensor, object_width, shared_width
+from translators.points import check_point
 from translators.stage1 import Side
-from translators.translator import SIDES, Translator
+from translators.translator import Translator
 
 DEFAULT_POINT = "pre_norm"
 
@@ -103,17 +104,32 @@ def check_translator_fits(translator: Translator | None, source: CacheLayout, ta
                 "model: pass a translator fitted for this pair (`kvlingo fit`)"
             )
         return
-    problems = []
-    if translator.d_src != source.kv_width:
-        problems.append(f"it reads source width {translator.d_src}, the source has {source.kv_width}")
-    if translator.d_tgt != target.kv_width:
-        problems.append(f"it writes target width {translator.d_tgt}, the target has {target.kv_width}")
+    problems = _object_problems(translator, source, "source") + _object_problems(translator, target, "target")
     if translator.n_target_layers != target.n_layers:
         problems.append(f"it writes {translator.n_target_layers} target layers, the target has {target.n_layers}")
     if translator.source_layers() and max(translator.source_layers()) >= source.n_layers:
         problems.append(f"it reads source layer {max(translator.source_layers())}, the source has {source.n_layers}")
     if problems:
         raise PairMismatchError("the translator does not fit this model pair: " + "; ".join(problems))
+
+
+def _object_problems(translator: Translator, layout: CacheLayout, role: str) -> list[str]:
+    """What keeps `translator` from reading (role "source") or writing (role "target") the cache objects of
+    `layout`: objects it lacks, objects it maps but the layout does not hold, and widths."""
+    verb, width = ("reads", translator.d_src) if role == "source" else ("writes", translator.d_tgt)
+    objects = cache_objects(layout)
+    held = [obj.name for obj in objects]
+    problems = []
+    absent = [name for name in translator.objects if name not in held]
+    if absent:
+        problems.append(f"it {verb} {', '.join(absent)}, the {role}'s cache holds {', '.join(held)}")
+    unwritten = [name for name in held if name not in translator.objects]
+    if role == "target" and unwritten:
+        problems.append(f"it does not write the target's {', '.join(unwritten)}")
+    widths = sorted({object_width(obj, layout) for obj in objects if obj.name in translator.objects})
+    if widths and widths != [width]:
+        problems.append(f"it {verb} {role} width {width}, the {role} has {', '.join(map(str, widths))}")
+    return problems
 
 
 def resolve_point(translator: Translator | None, point: str | None) -> str:
@@ -138,32 +154,31 @@ def identity_translator(layout: CacheLayout, point: str = DEFAULT_POINT) -> Tran
     Translating with it reproduces the source cache exactly but costs what a real ν=1 map costs, which is what
     the speed benchmark should time for a model switched into a copy of itself.
     """
-    width = layout.kv_width
-    assignment = {side: {layer: (layer,) for layer in range(layout.n_layers)} for side in SIDES}
+    objects = cache_objects(layout)
+    width = shared_width(objects, layout)
+    assignment = {obj.name: {layer: (layer,) for layer in range(layout.n_layers)} for obj in objects}
     translator = Translator(assignment, width, width, check_point(point))
     eye = torch.eye(width)
-    for side in SIDES:
+    for name in translator.objects:
         for layer in range(layout.n_layers):
-            translator.set_weight(side, layer, eye)
+            translator.set_weight(name, layer, eye)
     return translator
 
 
 def translate(
-    translator: Translator | None, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Map source keys/values (lists over source layers of [n_tokens, d_src]) to the target's.
+    translator: Translator | None, tensors: Mapping[str, Sequence[torch.Tensor]]
+) -> dict[str, list[torch.Tensor]]:
+    """Map source cache objects (name → list over source layers of [n_tokens, d_src]) to the target's.
 
     None is the identity: the tensors are returned as they are.
 
     Returns:
-        (keys, values): lists over target layers of [n_tokens, d_tgt].
+        name → list over target layers of [n_tokens, d_tgt].
     """
     if translator is None:
-        return list(keys), list(values)
+        return {name: list(xs) for name, xs in tensors.items()}
     weight = next(translator.parameters())
-    keys = [k.to(weight.device) for k in keys]
-    values = [v.to(weight.device) for v in values]
-    return translator(keys, values)
+    return translator.translate_objects({name: [x.to(weight.device) for x in xs] for name, xs in tensors.items()})
 
 
 def translated_cache(
@@ -180,34 +195,41 @@ def translated_cache(
     """
     positions = source_capture.positions
     device, dtype = target.model.device, next(target.model.parameters()).dtype
+    objects = cache_objects(target.layout)
 
     def layers():
         for layer in range(target.layout.n_layers):
-            kv = target.layout.layers[layer].kv
-            k, v = _translate_layer(translator, source_capture, layer)
-            if k.shape != (len(positions), kv.width) or v.shape != k.shape:
+            translated = _translate_layer(translator, source_capture, layer)
+            expected = {obj.name: (len(positions), obj.width(target.layout.layers[layer])) for obj in objects}
+            got = {name: tuple(translated[name].shape) if name in translated else None for name in expected}
+            if got != expected:
                 raise ConfigError(
-                    f"target layer {layer}: expected translated keys and values of shape [{len(positions)}, "
-                    f"{kv.width}], got {list(k.shape)} and {list(v.shape)}; use a translator fitted for this pair"
+                    f"target layer {layer}: expected translated objects of shapes {expected}, got {got}; use a "
+                    "translator fitted for this pair"
                 )
             # build_cache's order: cast to the model's dtype, then k-norm/RoPE at the target positions.
-            k = keys_to_point(target.model, target.layout, layer, k.to(device, dtype), start=point, end="post_rope",
-                              positions=positions)
-            yield _heads_first(k, kv.n_kv_heads), _heads_first(v.to(device, dtype), kv.n_kv_heads)
+            yield tuple(
+                engine_tensor(obj, target.model, target.layout, layer, translated[obj.name].to(device, dtype),
+                              point=point, positions=positions)
+                for obj in objects
+            )
 
     with torch.no_grad():
         return DynamicCache(ddp_cache_data=layers(), config=target.model.config)
 
 
-def _translate_layer(translator: Translator | None, cap: Capture, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of one target layer ([n_tokens, d_tgt] each) from a source capture."""
+def _translate_layer(translator: Translator | None, cap: Capture, layer: int) -> dict[str, torch.Tensor]:
+    """Each cache object of one target layer (name → [n_tokens, d_tgt]) from a source capture."""
     if translator is None:
-        return cap.keys[layer], cap.values[layer]
+        return {name: xs[layer] for name, xs in cap.objects.items()}
     device = next(translator.parameters()).device
     # Only the source layers this target layer reads (moving nothing when they already share a device).
-    keys = {s: cap.keys[s].to(device) for s in translator.assignment["keys"][layer]}
-    values = {s: cap.values[s].to(device) for s in translator.assignment["values"][layer]}
-    return translator.translate_layer("keys", layer, keys), translator.translate_layer("values", layer, values)
+    return {
+        name: translator.translate_layer(
+            name, layer, {s: cap.objects[name][s].to(device) for s in translator.assignment[name][layer]}
+        )
+        for name in translator.objects
+    }
 
 
 # --- Paths ----------------------------------------------------------------------------------------
