@@ -23,7 +23,7 @@ from infra.fingerprint import fingerprint, fingerprint_fields
 from infra.rundirs import run_dir
 from infra.settings import kvlingo_home
 from translators.errors import ConfigError
-from translators.translator import SIDES
+from translators.objects import object_names
 
 
 def preflight(config: FitConfig) -> None:
@@ -174,32 +174,89 @@ def stats_key(plan: FitPlan, samples: list) -> str:
     return h.hexdigest()[:24]
 
 
-def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = "stage 1: statistics") -> dict:
-    """Gram statistics of `samples`, read from the content-addressed store when already accumulated."""
+# Training (and held-out) samples are accumulated in contiguous shards of this many samples, each stored under its
+# own content address: a fit killed during stage 1 loses at most the shard in progress, and a re-run reads the
+# finished shards back. The shard boundaries are a function of the sample list alone (not of the machine or of
+# how far an earlier attempt got), so the merged statistics — and the closed form — are bit-identical whether
+# the shards were computed in one go or across interruptions.
+STATS_SHARD_SIZE = 32
+
+
+def shard_samples(samples: list, size: int = STATS_SHARD_SIZE) -> list[list]:
+    """Contiguous shards of `size` samples (the last one may be shorter); none for an empty list.
+
+    Raises:
+        ConfigError: size < 1.
+    """
+    if size < 1:
+        raise ConfigError(f"a statistics shard holds at least one sample, got size {size}")
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+
+def stats_store(plan: FitPlan, samples: list) -> Path:
+    """Where the statistics of `samples` live in the content-addressed store."""
+    return kvlingo_home() / "stats" / stats_key(plan, samples)
+
+
+def stats_stored(plan: FitPlan, samples: list) -> bool:
+    """True when the statistics of `samples` are already in the store (a finished shard)."""
+    store = stats_store(plan, samples)
+    return all((store / f"{name}.safetensors").is_file() for name in object_names(plan.target.layout))
+
+
+def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = "stage 1: statistics",
+                task=None) -> dict:
+    """Gram statistics of `samples`, read from the content-addressed store when already accumulated.
+
+    Progress goes to `task` of `progress` when given (one bar over several shards), else to a new task.
+    A shard is written to a temporary directory and renamed into place, so a killed process never leaves a
+    half-written shard under its final name.
+    """
     from translators.gram import GramStats
     from translators.stage1 import accumulate_pair, empty_stats
 
-    store = kvlingo_home() / "stats" / stats_key(plan, samples)
-    if all((store / f"{side}.safetensors").is_file() for side in SIDES):
-        return {side: GramStats.load(store / f"{side}.safetensors") for side in SIDES}
+    store = stats_store(plan, samples)
+    if stats_stored(plan, samples):
+        if progress is not None and task is not None:
+            progress.advance(task, len(samples))
+        return {name: GramStats.load(store / f"{name}.safetensors") for name in object_names(plan.target.layout)}
     src, tgt = plan.sides
     stats = empty_stats(plan.source.layout, plan.target.layout, plan.candidates)
-    task = progress.add_task(description, total=len(samples)) if progress else None
+    if progress is not None and task is None:
+        task = progress.add_task(description, total=len(samples))
     accumulate_pair(stats, src, tgt, ((s.prefix_ids, s.continuation_ids) for s in samples), plan.config.point,
                     weighting=plan.config.weighting,
-                    on_sample=(lambda _n: progress.advance(task)) if progress else None)
+                    on_sample=(lambda _n: progress.advance(task)) if progress is not None else None)
     tmp = store.with_name(store.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for side in SIDES:
-        stats[side].save(tmp / f"{side}.safetensors")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed while saving
+    tmp.mkdir(parents=True)
+    for name, object_stats in stats.items():
+        object_stats.save(tmp / f"{name}.safetensors")
     shutil.rmtree(store, ignore_errors=True)
     os.replace(tmp, store)
     return stats
 
 
+def sharded_stats(plan: FitPlan, samples: list, progress=None, description: str = "stage 1: statistics",
+                  size: int = STATS_SHARD_SIZE) -> tuple[dict, dict[str, int]]:
+    """Statistics of `samples` accumulated shard by shard (`shard_samples`), finished shards read from the
+    store, merged in shard order. Returns the statistics and {"shards", "reused", "computed"}.
+
+    Raises:
+        ConfigError: no samples.
+    """
+    shards = shard_samples(samples, size)
+    if not shards:
+        raise ConfigError(f"{description}: no samples to accumulate")
+    reused = sum(stats_stored(plan, shard) for shard in shards)
+    task = progress.add_task(description, total=len(samples)) if progress is not None else None
+    parts = [shard_stats(plan, shard, progress, description, task=task) for shard in shards]
+    return merge_stats(parts), {"shards": len(shards), "reused": reused, "computed": len(shards) - reused}
+
+
 def merge_stats(parts: list[dict]) -> dict:
     """Partial statistics of disjoint shards sum exactly to the one-pass statistics."""
-    return {side: functools.reduce(lambda a, b: a.merge(b), [p[side] for p in parts]) for side in SIDES}
+    return {name: functools.reduce(lambda a, b: a.merge(b), [p[name] for p in parts]) for name in parts[0]}
 
 
 def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any, dict[str, Any]]:
@@ -227,15 +284,15 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         "val_kl": {name: v.mean for name, v in kl.items()},
         "val_kl_se": {name: v.se for name, v in kl.items()},
         "first_token_kl": {name: v.first_token for name, v in kl.items()},
-        "r2": {side: sum(r2[side]) / len(r2[side]) for side in SIDES},
+        "r2": {name: sum(values) / len(values) for name, values in r2.items()},
         "r2_per_layer": r2,
-        "assignment": {side: {str(t): list(s) for t, s in assignment[side].items()} for side in SIDES},
+        "assignment": {name: {str(t): list(s) for t, s in layers.items()} for name, layers in assignment.items()},
         "n_train": len(plan.train),
         "n_val": len(plan.val),
         "train_tokens": stats["keys"].n_tokens,
         # Fixed by the pair and candidate set, not by the data: the statistics hold sums, never design matrices.
-        "stats_mb": sum(t.numel() * t.element_size() for side in SIDES
-                        for part in (stats[side].xx, stats[side].xy, stats[side].yy) for t in part.values()) / 2**20,
+        "stats_mb": sum(t.numel() * t.element_size() for object_stats in stats.values()
+                        for part in (object_stats.xx, object_stats.xy, object_stats.yy) for t in part.values()) / 2**20,
         "artifact": str(plan.out / "closed_form"),
         "artifacts": {"closed_form": str(plan.out / "closed_form")},
         "run_dir": str(plan.out),
@@ -316,9 +373,14 @@ def run_fit(config: FitConfig) -> dict[str, Any]:
     """The whole fit in this process: stage 1, then stage 2 unless `stage1_only`. Returns the JSON summary."""
     plan = plan_fit(config)
     with _progress() as progress:
-        stats = shard_stats(plan, plan.train, progress, "stage 1: train statistics")
-        val_stats = shard_stats(plan, plan.val, progress, "stage 1: held-out statistics")
+        # Shard by shard: a fit killed here and re-run recomputes only the shard that was in progress.
+        stats, train_shards = sharded_stats(plan, plan.train, progress, "stage 1: train statistics")
+        val_stats, val_shards = sharded_stats(plan, plan.val, progress, "stage 1: held-out statistics")
+        reused = train_shards["reused"] + val_shards["reused"]
+        if reused:
+            progress.console.print(f"stage 1: reused {reused} finished statistics shard(s) from {kvlingo_home() / 'stats'}")
     translator, summary = solve_closed_form(plan, stats, val_stats)
+    summary["stats_shards"] = {"train": train_shards, "val": val_shards, "shard_size": STATS_SHARD_SIZE}
     if not config.stage1_only:
         summary = distill_seeds(plan, translator, summary)
     summary["wall_s"] = round(time.perf_counter() - plan.started, 2)
