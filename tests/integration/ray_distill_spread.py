@@ -31,6 +31,7 @@ def main(n: int) -> None:
             (s, h1), (r, h2) = run_both_paths(Path(tmp))
             singles.append((s, [x["train_kl"] for x in h1]))
             rays.append((r, [x["train_kl"] for x in h2]))
+            print(json.dumps({"run": i, "single_vs_ray_maps": max_abs(s, r)}), flush=True)
     ref_s, ref_r = singles[0], rays[0]
     print(json.dumps({
         "runs": n,
