@@ -23,10 +23,10 @@ def test_identity_equals_native_on_quick_suite(shared_data, tmp_path):
     out = json.loads(proc.stdout)
     rows = {(r["benchmark"], r["condition"]): r for r in out["rows"]}
     benchmarks = {b for b, _ in rows}
-    assert {"val_kl", "recall", "ruler_noise_128", "ruler_noise_256", "mmlu_pro", "arc_challenge", "gsm8k",
-            "xquad_multiturn_f1"} <= benchmarks
+    assert {"corpus_kl", "first_token_kl", "recall", "needle", "ruler_noise_128", "ruler_noise_256", "mmlu_pro",
+            "arc_challenge", "gsm8k", "xquad_multiturn"} <= benchmarks
     for bench in benchmarks:
         native, identity = rows[(bench, "target_native")], rows[(bench, "identity")]
         assert identity["n"] == native["n"] > 0
         assert identity["score"] == pytest.approx(native["score"], abs=1e-6), bench
-    assert rows[("val_kl", "identity")]["score"] <= 1e-6
+    assert rows[("corpus_kl", "identity")]["score"] <= 1e-6

@@ -6,12 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
+import evals.benchmarks._common
 import evals.judge
 import evals.lm_eval_adapter
 import evals.lm_eval_tasks
-import flows.evaluate
+from evals.benchmarks import get
+from evals.benchmarks._lm_eval import lm_eval_item_scores
 from evals.metrics import paired_bootstrap_ci
-from flows.evaluate import EvalConfig, bench_judge, bench_lm_eval, lm_eval_item_scores, rows_for
+from flows.evaluate import EvalConfig, rows_for, score_benchmark
 from translators.errors import ConfigError
 
 TEMPLATES = [
@@ -57,15 +59,16 @@ class _TableJudge:
 
 def test_judge_rows_pair_questions_by_id(monkeypatch, mt_bench_dir):
     monkeypatch.setattr(evals.judge, "OpenAICompatibleJudge", _TableJudge)
-    monkeypatch.setattr(flows.evaluate, "chat_prompt", lambda tokenizer, text: text)
-    monkeypatch.setattr(flows.evaluate, "_generate", lambda condition, tokenizer, prompt, n: f"{condition}::{prompt}")
+    monkeypatch.setattr(evals.benchmarks._common, "chat_prompt", lambda tokenizer, text: text)
+    monkeypatch.setattr(evals.benchmarks._common, "generate", lambda condition, tokenizer, prompt, n: f"{condition}::{prompt}")
     config = EvalConfig(source="s", target="t", data_dir=mt_bench_dir, limit=6, judge_url="http://127.0.0.1:9/v1",
                         judge_model="judge")
-    conditions = {"target_native": "target_native", "distilled": "distilled"}
-    result = bench_judge(config, conditions, None, SimpleNamespace(tokenizer=None))
-    assert result["mt_bench_judge"]["distilled"] == {"1": 4.0, "2": 9.0, "3": 6.0, "4": 7.0, "6": 3.0}
+    context = config.context(None, SimpleNamespace(tokenizer=None))
+    spec = get("mt_bench_judge")
+    assert spec.run(context, "distilled", 6) == {"1": 4.0, "2": 9.0, "3": 6.0, "4": 7.0, "6": 3.0}
 
-    rows = _rows(rows_for("mt_bench_judge", result["mt_bench_judge"], result["_extra"]))
+    conditions = {"target_native": "target_native", "distilled": "distilled"}
+    rows = _rows(score_benchmark(spec, context, conditions, 6))
     native, distilled = rows["target_native"], rows["distilled"]
     assert (native["score"], native["n"], native["ci_low"]) == (pytest.approx(28 / 5), 5, None)
     assert (distilled["score"], distilled["n"]) == (pytest.approx(29 / 5), 5)
@@ -110,9 +113,10 @@ def test_lm_eval_rows_pair_docs_by_id(monkeypatch, tmp_path):
     monkeypatch.setattr(evals.lm_eval_tasks, "materialise_tasks", lambda *args, **kwargs: {})
     monkeypatch.setattr(evals.lm_eval_tasks, "run_lm_eval", _fake_run_lm_eval)
     config = EvalConfig(source="s", target="t", data_dir=tmp_path, limit=6)
-    target = SimpleNamespace(tokenizer=None, layout=SimpleNamespace(max_positions=512))
-    conditions = {"target_native": "target_native", "distilled": "distilled"}
-    scores = bench_lm_eval(["arc_challenge", "gsm8k"], config, conditions, target)
+    context = config.context(None, SimpleNamespace(tokenizer=None, layout=SimpleNamespace(max_positions=512)))
+    conditions = ("target_native", "distilled")
+    # Each benchmark's module names its own lm-eval metric and filter (acc / none, exact_match / strict-match).
+    scores = {name: {c: get(name).run(context, c, 6) for c in conditions} for name in ("arc_challenge", "gsm8k")}
     assert scores["gsm8k"] == {"target_native": {"0": 1.0, "1": 0.0, "3": 1.0},
                                "distilled": {"0": 1.0, "1": 1.0, "2": 0.0}}
 
