@@ -5,6 +5,9 @@
 - `translated`: the target decodes from the translator's translation of the source's cache of context[:-1],
   then reads context[-1] itself — exactly the geometry of `translators.continuation.student_logits`, so the
   quantity benchmarked is the quantity stage 2 trains.
+- `empty_prefix`: the floor: the target reads nothing of context[:-1] (no cache at all), only context[-1] —
+  the geometry of `translators.continuation.no_prefix_logits` (the fit's `empty_prefix` control). A translated
+  cache that scores like this carries nothing.
 
 Source and target of a translated condition share one tokenizer (cross-tokenizer pairs are aligned elsewhere);
 every function here takes token ids, never text.
@@ -21,6 +24,7 @@ from transformers import DynamicCache
 from translators.capture import capture, check_length
 from translators.continuation import student_logits
 from translators.errors import ConfigError
+from translators.generation import GenerationSettings, decode_from
 from translators.inject import build_cache, decode_step
 from translators.stage1 import Side
 from translators.switch import check_translator_fits
@@ -29,8 +33,11 @@ from translators.translator import Translator
 TARGET_NATIVE = "target_native"
 SOURCE_NATIVE = "source_native"
 TRANSLATED = "translated"
-CONDITIONS = (TARGET_NATIVE, SOURCE_NATIVE, TRANSLATED)
+EMPTY_PREFIX = "empty_prefix"
+CONDITIONS = (TARGET_NATIVE, SOURCE_NATIVE, TRANSLATED, EMPTY_PREFIX)
 NATIVE = (TARGET_NATIVE, SOURCE_NATIVE)
+# Conditions whose decoder reads token ids itself (no translated cache): no source, no translator.
+UNTRANSLATED = (*NATIVE, EMPTY_PREFIX)
 # The identity "translator" hands the source's keys through unchanged; any point is exact because build_cache
 # re-applies the (identical) model's own k-norm and RoPE from it. pre_norm is the platform default.
 IDENTITY_POINT = "pre_norm"
@@ -43,6 +50,7 @@ class Condition:
     Args:
         name: one of CONDITIONS.
         decoder: the model that produces the logits (the target, or the source for `source_native`).
+            `empty_prefix` decoders read only the context's last token.
         source: the model whose cache is translated (`translated` only).
         translator: maps source captures to decoder keys/values; None with `translated` means identity
             (source and decoder must then have equal cache layouts, i.e. be the same model).
@@ -59,10 +67,10 @@ class Condition:
     def __post_init__(self) -> None:
         if self.name not in CONDITIONS:
             raise ConfigError(f"unknown condition {self.name!r}; choose one of {', '.join(CONDITIONS)}")
-        if self.name in NATIVE:
+        if self.name in UNTRANSLATED:
             if self.source is not None or self.translator is not None:
                 raise ConfigError(
-                    f"condition {self.name!r} answers from the decoder's own cache: pass no source and no translator"
+                    f"condition {self.name!r} reads no translated cache: pass no source and no translator"
                 )
             return
         if self.source is None:
@@ -96,6 +104,16 @@ def source_native(source: Side) -> Condition:
     return Condition(SOURCE_NATIVE, decoder=source)
 
 
+def empty_prefix(target: Side) -> Condition:
+    """The floor: the target reads only the context's last token (nothing of the prefix before it)."""
+    return Condition(EMPTY_PREFIX, decoder=target)
+
+
+def visible_context(condition: Condition, context: torch.Tensor) -> torch.Tensor:
+    """The ids the decoder reads itself: the whole context, except the last token only under `empty_prefix`."""
+    return context[-1:] if condition.name == EMPTY_PREFIX else context
+
+
 def translated(source: Side, target: Side, translator: Translator | None = None) -> Condition:
     """The target decodes from the translated source cache (translator None: identity, same model only)."""
     return Condition(TRANSLATED, decoder=target, source=source, translator=translator)
@@ -125,6 +143,7 @@ def continuation_logits(
     Native: one forward over context + continuation[:-1], keeping the last m logits. Translated: the
     `student_logits` geometry (translated cache of context[:-1], then context[-1] + continuation[:-1]). A
     one-token context leaves nothing to translate (the cache would be empty), so it is read natively.
+    Empty prefix: as native, over context[-1] + continuation[:-1] only.
 
     Args:
         context_ids: [n] token ids, n ≥ 1. continuation_ids: [m] token ids, m ≥ 1.
@@ -139,9 +158,10 @@ def continuation_logits(
             f"got {context.numel()} and {continuation.numel()} tokens"
         )
     m = continuation.numel()
+    context = visible_context(condition, context)
     check_length(condition.decoder.layout, context.numel() + m - 1, "context + continuation")
     with torch.no_grad():
-        if condition.name in NATIVE or context.numel() == 1:
+        if condition.name in UNTRANSLATED or context.numel() == 1:
             ids = torch.cat([context, continuation[:-1]]).view(1, -1).to(condition.decoder.model.device)
             return condition.decoder.model(input_ids=ids, use_cache=False, logits_to_keep=m).logits[0]
         keys, values = _translated_kv(condition, context[:-1])
@@ -166,22 +186,24 @@ def greedy_generate(
     condition: Condition,
     context_ids: torch.Tensor | list[int],
     max_new_tokens: int,
-    stop_ids: set[int] | frozenset[int] = frozenset(),
+    stop_ids: set[int] | frozenset[int] | tuple[int, ...] = (),
     *,
     should_stop: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
-    """Greedy decoding after `context_ids` [n] under `condition`.
+    """Greedy decoding after `context_ids` [n] under `condition`, by the platform's one decoding loop
+    (`translators.generation.decode_from`, whose stop semantics apply: a stop id is returned as the last token).
 
     Native: prefill the context, then decode. Translated: translate the source cache of context[:-1], run
-    one decoder step on context[-1], then decode on top of the injected cache.
+    one decoder step on context[-1], then decode on top of the injected cache. Empty prefix: read context[-1]
+    alone, then decode.
 
     Args:
-        max_new_tokens: the most tokens returned (≥ 0).
-        stop_ids: tokens that end generation (e.g. EOS); the stop token itself is not returned.
+        max_new_tokens: the most tokens returned (≥ 0), a final stop id included.
+        stop_ids: tokens that end generation (e.g. `infra.chat.stop_ids(tokenizer)`); the stop token is returned.
         should_stop: called with the tokens generated so far after each new token; True ends generation
             (used for stop strings, which need the decoded text).
     Returns:
-        The generated token ids (at most max_new_tokens, without the stop token).
+        The generated token ids (at most max_new_tokens; ending with the stop id when one ended generation).
     Raises:
         ConfigError: empty context or negative max_new_tokens. PrefixTooLongError: context + generation longer
             than the models read.
@@ -195,25 +217,18 @@ def greedy_generate(
         return []
     # The last generated token is never fed back, hence -1.
     check_length(condition.decoder.layout, context.numel() + max_new_tokens - 1, "context + generation")
-    model = condition.decoder.model
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, stop_ids=tuple(sorted(stop_ids)))
     with torch.no_grad():
         cache, logits = _first_step(condition, context)  # logits: [vocab]
-        generated: list[int] = []
-        while True:
-            token = int(logits.argmax())
-            if token in stop_ids:
-                break
-            generated.append(token)
-            if len(generated) >= max_new_tokens or (should_stop is not None and should_stop(generated)):
-                break
-            logits = decode_step(model, cache, torch.tensor([token]), logits_to_keep=1)[-1]
-    return generated
+        decoded = decode_from(condition.decoder.model, cache, logits, settings, should_stop=should_stop)
+    return decoded.token_ids
 
 
 def _first_step(condition: Condition, context: torch.Tensor) -> tuple[DynamicCache, torch.Tensor]:
     """The decoder's cache after reading the whole context and its next-token logits [vocab]."""
     model = condition.decoder.model
-    if condition.name in NATIVE or context.numel() == 1:
+    context = visible_context(condition, context)
+    if condition.name in UNTRANSLATED or context.numel() == 1:
         # A one-token context has no cache to translate: the decoder reads it natively.
         cache = DynamicCache(config=model.config)
         return cache, decode_step(model, cache, context, logits_to_keep=1)[-1]

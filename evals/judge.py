@@ -276,12 +276,12 @@ class LocalHFJudge:
         self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
 
     def _input_ids(self, system: str, user: str) -> Any:
-        """Prompt token ids [1, n]: chat template with a system turn if there is one, else plain text."""
-        if getattr(self.tokenizer, "chat_template", None):
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True, return_tensors="pt")["input_ids"]
-        return self.tokenizer(f"{system}\n\n{user}\n\n", return_tensors="pt")["input_ids"]
+        """Prompt token ids [1, n]: a system and a user turn rendered by `infra.chat` (the chat template when the
+        tokenizer has one, else plain "Role: content" lines), ending where the judge's answer starts."""
+        from infra.chat import chat_ids
+
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return chat_ids(self.tokenizer, messages, generation_prompt=True).view(1, -1)
 
     def complete(self, system: str, user: str) -> str:
         """The model's greedy reply (new tokens only, special tokens removed).

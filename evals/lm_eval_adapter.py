@@ -18,6 +18,7 @@ from lm_eval.api.model import LM
 from tqdm import tqdm
 
 from evals.conditions import Condition, continuation_logits, greedy_generate
+from infra.chat import stop_ids
 from translators.errors import ConfigError
 
 
@@ -218,7 +219,8 @@ class KvlingoLM(LM):
         return results
 
     def generate_text(self, context: str, until: list[str], max_new_tokens: int) -> str:
-        """Greedy text after `context`, stopped at EOS, after max_new_tokens, or before the first stop string."""
+        """Greedy text after `context`, stopped at EOS or an end-of-turn token (`infra.chat.stop_ids`), after
+        max_new_tokens, or before the first stop string."""
         room = self.max_length - max_new_tokens + 1  # the last generated token is never fed back
         if room < 1:
             raise ConfigError(
@@ -226,14 +228,14 @@ class KvlingoLM(LM):
                 f"lower it (task generation_kwargs, or run_lm_eval(..., gen_kwargs={{'max_gen_toks': N}}))"
             )
         context_ids = self._with_bos(self.tok_encode(context)) if context else [self.prefix_token_id]
-        stop_ids = {self.eot_token_id} if self.eot_token_id is not None else set()
 
         def hit_stop_string(generated: list[int]) -> bool:
             # Decoding the whole prefix each step (not token by token) keeps multi-token characters intact.
             return any(s in self.tok_decode(generated) for s in until)
 
         stopper = hit_stop_string if until else None
-        ids = greedy_generate(self.condition, context_ids[-room:], max_new_tokens, stop_ids, should_stop=stopper)
+        ids = greedy_generate(self.condition, context_ids[-room:], max_new_tokens, stop_ids(self.tokenizer),
+                              should_stop=stopper)
         return cut_at_stop(self.tok_decode(ids), until)
 
     def _generation_args(self, gen_kwargs: dict[str, Any]) -> tuple[list[str], int]:

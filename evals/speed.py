@@ -5,27 +5,21 @@ Both paths run through the runtime's own pieces (`translated_cache`, `decode_ste
 process with the same torch threads. The source's capture of x_{1:n-1} is taken once, untimed: in deployment
 the source already holds its cache.
 
-Memory: on CUDA, the peak of `torch.cuda.max_memory_allocated` above the allocation before the path; on CPU
-(Linux), the peak resident set size (VmHWM, reset through /proc/self/clear_refs) above the RSS before the
-path, after glibc's malloc_trim returned freed heap pages (so the baseline is live memory); elsewhere it is not
-measured (None).
+Memory: `evals.memory.peak_memory` (peak torch allocations above the start of the path, on CPU and CUDA alike),
+measured in one extra untimed run of each path, since the CPU probe slows the code it watches.
 """
 
 from __future__ import annotations
 
-import ctypes
-import re
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
+from evals.memory import peak_memory
 from translators.capture import capture
 from translators.errors import ConfigError
 from translators.generation import GenerationSettings, decode_from, sync
@@ -34,14 +28,6 @@ from translators.layout import GLOBAL, CacheLayout
 from translators.stage1 import Side
 from translators.switch import translated_cache
 from translators.translator import Translator
-
-MEMORY_NOTE = {
-    "cuda": "peak torch.cuda.max_memory_allocated above the allocation before the path (MB)",
-    "cpu": "peak RSS (VmHWM reset via /proc/self/clear_refs) above the RSS before the path, after returning "
-    "freed heap to the OS (MB)",
-    None: "not measured on this platform",
-}
-
 
 # --- FLOP model -----------------------------------------------------------------------------------
 
@@ -97,63 +83,6 @@ def flop_model(model: nn.Module, layout: CacheLayout) -> FlopModel:
     return FlopModel(non_embedding, config.num_attention_heads * head_dim, config.hidden_size, config.vocab_size, windows)
 
 
-# --- Memory ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class Peak:
-    mb: float | None = None
-
-
-def memory_kind(device: torch.device) -> str | None:
-    if device.type == "cuda":
-        return "cuda"
-    return "cpu" if _can_reset_rss_peak() else None
-
-
-@contextmanager
-def peak_memory(device: torch.device) -> Iterator[Peak]:
-    """Measure the peak memory of the enclosed block above its start (see the module docstring)."""
-    peak = Peak()
-    kind = memory_kind(device)
-    if kind == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-    elif kind == "cpu":
-        _release_free_heap()
-        before = _rss_kb("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    yield peak
-    if kind == "cuda":
-        torch.cuda.synchronize(device)
-        peak.mb = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    elif kind == "cpu":
-        peak.mb = max(0, _rss_kb("VmHWM") - before) / 1024
-
-
-def _release_free_heap() -> None:
-    """Return freed heap pages to the OS (glibc malloc_trim), so that the RSS before a path counts live memory
-    only and the path's own allocations show up in its peak instead of reusing pages an earlier path freed."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: the measurement then also absorbs reused heap pages
-
-
-def _rss_kb(field: str) -> int:
-    found = re.search(rf"{field}:\s+(\d+)\s+kB", Path("/proc/self/status").read_text())
-    return int(found.group(1)) if found else 0
-
-
-def _can_reset_rss_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return _rss_kb("VmHWM") > 0
-    except OSError:
-        return False
-
-
 # --- Measurement ----------------------------------------------------------------------------------
 
 
@@ -168,8 +97,8 @@ class SpeedRow:
     flop_ratio: float
     translate_s: float  # maps + writing the target cache (k-norm, RoPE), median
     step_s: float  # the target's step on x_n (+ first pick): switch time minus translation, median over runs
-    switch_peak_mb: float | None
-    prefill_peak_mb: float | None
+    switch_peak_mb: float  # evals.memory.peak_memory of the switch path (one untimed run)
+    prefill_peak_mb: float  # same for the re-prefill path
     switch_decode_tok_s: float | None
     native_decode_tok_s: float | None
     map_flops: int
@@ -192,7 +121,8 @@ def measure_speed(
     repeats: int = 3,
     decode_tokens: int = 16,
 ) -> SpeedRow:
-    """Time both paths to the first token for prompt x_{1:n}, then decode `decode_tokens` more after each.
+    """Time both paths to the first token for prompt x_{1:n}, then decode `decode_tokens` more after each;
+    then one untimed run of each path under the memory probe.
 
     Args:
         prompt_ids: [n] token ids, n ≥ 2.
@@ -209,7 +139,13 @@ def measure_speed(
         last = r == repeats - 1  # decode after the last repeat only: it does not change the first token's time
         switch_runs.append(_switch_path(target, translator, held, prompt_ids, point, decode_tokens if last else 0))
         prefill_runs.append(_prefill_path(target, prompt_ids, decode_tokens if last else 0))
-    return _row(n, switch_runs, prefill_runs, translator, flop_model(target.model, target.layout), repeats)
+    device = target.model.device
+    with torch.no_grad(), peak_memory(device) as switch_peak:
+        _first_logits(target.model, translated_cache(target, translator, held, point), prompt_ids[-1:])
+    with torch.no_grad(), peak_memory(device) as prefill_peak:
+        _first_logits(target.model, DynamicCache(config=target.model.config), prompt_ids)
+    peaks = (switch_peak.mb, prefill_peak.mb)
+    return _row(n, switch_runs, prefill_runs, peaks, translator, flop_model(target.model, target.layout), repeats)
 
 
 @dataclass
@@ -217,34 +153,38 @@ class _Run:
     ttft_s: float
     translate_s: float
     first_token: int
-    peak_mb: float | None
     decode_tok_s: float | None
+
+
+def _first_logits(model: nn.Module, cache: DynamicCache, ids: torch.Tensor) -> torch.Tensor:
+    """The model reads `ids` [k] on top of `cache` (extended in place): next-token logits [vocab]."""
+    return decode_step(model, cache, ids, logits_to_keep=1)[-1]
 
 
 def _switch_path(target: Side, translator, held, prompt_ids, point, decode_tokens: int) -> _Run:
     device = target.model.device
-    with torch.no_grad(), peak_memory(device) as peak:
+    with torch.no_grad():
         sync(device)
         t0 = time.perf_counter()
         cache = translated_cache(target, translator, held, point)
         sync(device)
         translate_s = time.perf_counter() - t0
-        logits = decode_step(target.model, cache, prompt_ids[-1:], logits_to_keep=1)[-1]
+        logits = _first_logits(target.model, cache, prompt_ids[-1:])
         first = int(torch.argmax(logits))  # reading the token synchronises the device
         ttft = time.perf_counter() - t0
-    return _Run(ttft, translate_s, first, peak.mb, _decode_speed(target, cache, logits, decode_tokens))
+    return _Run(ttft, translate_s, first, _decode_speed(target, cache, logits, decode_tokens))
 
 
 def _prefill_path(target: Side, prompt_ids, decode_tokens: int) -> _Run:
     device = target.model.device
-    with torch.no_grad(), peak_memory(device) as peak:
+    with torch.no_grad():
         sync(device)
         t0 = time.perf_counter()
         cache = DynamicCache(config=target.model.config)
-        logits = decode_step(target.model, cache, prompt_ids, logits_to_keep=1)[-1]
+        logits = _first_logits(target.model, cache, prompt_ids)
         first = int(torch.argmax(logits))
         ttft = time.perf_counter() - t0
-    return _Run(ttft, 0.0, first, peak.mb, _decode_speed(target, cache, logits, decode_tokens))
+    return _Run(ttft, 0.0, first, _decode_speed(target, cache, logits, decode_tokens))
 
 
 def _decode_speed(target: Side, cache, logits, decode_tokens: int) -> float | None:
@@ -256,7 +196,7 @@ def _decode_speed(target: Side, cache, logits, decode_tokens: int) -> float | No
     return len(decoded.step_s) / decoded.decode_s if decoded.decode_s > 0 else None
 
 
-def _row(n, switch_runs, prefill_runs, translator, flops: FlopModel, repeats) -> SpeedRow:
+def _row(n, switch_runs, prefill_runs, peaks: tuple[float, float], translator, flops: FlopModel, repeats) -> SpeedRow:
     switch_s = statistics.median(r.ttft_s for r in switch_runs)
     prefill_s = statistics.median(r.ttft_s for r in prefill_runs)
     translate_s = statistics.median(r.translate_s for r in switch_runs)
@@ -270,8 +210,8 @@ def _row(n, switch_runs, prefill_runs, translator, flops: FlopModel, repeats) ->
         flop_ratio=prefill_flops / (map_flops + step_flops),
         translate_s=translate_s,
         step_s=statistics.median(r.ttft_s - r.translate_s for r in switch_runs),
-        switch_peak_mb=_max_or_none(r.peak_mb for r in switch_runs),
-        prefill_peak_mb=_max_or_none(r.peak_mb for r in prefill_runs),
+        switch_peak_mb=peaks[0],
+        prefill_peak_mb=peaks[1],
         switch_decode_tok_s=switch_runs[-1].decode_tok_s,
         native_decode_tok_s=prefill_runs[-1].decode_tok_s,
         map_flops=map_flops,
@@ -281,7 +221,3 @@ def _row(n, switch_runs, prefill_runs, translator, flops: FlopModel, repeats) ->
         repeats=repeats,
     )
 
-
-def _max_or_none(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return max(values) if values else None

@@ -44,10 +44,14 @@ def preflight(config: SpeedBenchConfig) -> None:
         ConfigError: listing all problems.
     """
     from infra.zoo import pair_problems
+    from registry.translator_ref import parse_translator_ref
 
     problems = pair_problems(config.source, config.target)
-    if config.translator is not None and not (config.translator / "manifest.json").is_file():
-        problems.append(f"translator: {config.translator} is not a translator artifact (no manifest.json)")
+    if config.translator is not None:
+        try:
+            parse_translator_ref(config.translator)
+        except ConfigError as err:
+            problems.append(str(err))
     if problems:
         raise ConfigError("cannot start the speed benchmark:\n  " + "\n  ".join(problems))
 
@@ -64,7 +68,8 @@ def check_lengths(lengths: list[int], max_positions: int, decode_tokens: int, mo
 
 def run_speed(config: SpeedBenchConfig) -> dict[str, Any]:
     """Measure every length; returns the public JSON object {"rows": [...], ...metadata}."""
-    from evals.speed import MEMORY_NOTE, measure_speed, memory_kind
+    from evals.memory import MEASURE
+    from evals.speed import measure_speed
     from infra.pairs import check_same_tokenizer
     from infra.prompts import prompt_of_length
     from translators.stage1 import Side
@@ -102,7 +107,7 @@ def run_speed(config: SpeedBenchConfig) -> dict[str, Any]:
         "device": str(device),
         "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "memory": MEMORY_NOTE[memory_kind(device)],
+        "memory": MEASURE,
         "wall_s": round(time.perf_counter() - started, 2),
     }
 
@@ -116,12 +121,20 @@ def _load_pair(source_name: str, target_name: str):
 
 
 def _translator(config: SpeedBenchConfig, source, target):
-    """The translator to time and a description: an artifact, the dense identity, or a quick closed form."""
-    from infra.pairs import load_for_pair
+    """The translator to time and a description: a reference (`registry.translator_ref`; `identity` copies the
+    source cache without maps), else the dense identity (same model) or a quick closed form.
+
+    Raises:
+        ConfigError: a malformed reference. PairMismatchError: a translator fitted for other models.
+    """
+    from registry.translator_ref import load_translator_ref, parse_translator_ref
     from translators.switch import identity_translator
 
     if config.translator is not None:
-        return load_for_pair(config.translator, source, target), f"artifact {config.translator}"
+        ref = parse_translator_ref(config.translator)
+        translator = load_translator_ref(ref, source, target)
+        described = "identity (source cache read as it is, no maps)" if translator is None else f"{ref.kind} {ref.text}"
+        return translator, described
     if source.name == target.name:
         # Dense identity maps: exact, and they cost what a real ν=1 translator costs.
         return identity_translator(target.layout, config.point), "identity (dense ν=1 identity maps)"

@@ -17,50 +17,41 @@ from typing import Any
 import torch
 
 
-def torch_peak_mb(fn) -> float:
-    """Peak of live torch allocations (MB) while `fn` runs, from the profiler's memory events.
-
-    RSS is useless here: after a warm-up the allocator reuses freed pages, so a second step never grows RSS.
-    Each op's own allocations (self memory, children excluded) and the frees are summed in time order.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
-    live = peak = 0
-    for event in events:
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak / 2**20
-
-
 def run_step_bench(source_name: str, target_name: str, *, prefix_tokens: int = 512, continuation_tokens: int = 64,
-                   repeats: int = 3, translator_path: str | None = None) -> dict[str, Any]:
+                   repeats: int = 3, translator_ref: str | None = None) -> dict[str, Any]:
     """Returns medians (seconds, peak MB above the start of each block) and the ratios step / baseline.
 
+    Args:
+        translator_ref: a `registry.translator_ref` reference (PATH, models:/NAME@ALIAS, identity: dense trainable
+            identity maps); default: random relative-depth ν=1 maps (the cost does not depend on the values).
     Raises:
-        ConfigError: repeats < 1 or lengths < 1. PrefixTooLongError: beyond a model's positions.
+        ConfigError: repeats < 1 or lengths < 1, a malformed translator reference.
+        PrefixTooLongError: beyond a model's positions. PairMismatchError: a translator fitted for other models.
     """
-    from infra.pairs import check_same_tokenizer, load_for_pair
+    from evals.memory import MEASURE, peak_memory
+    from infra.pairs import check_same_tokenizer
     from infra.prompts import prompt_of_length
     from infra.zoo import load_model
+    from registry.translator_ref import load_translator_ref, parse_translator_ref
     from translators.capture import capture, check_length
     from translators.distill import Objective, sample_loss, teacher_hidden
     from translators.errors import ConfigError
-    from translators.stage1 import Side
+    from translators.switch import identity_translator
     from translators.translator import Translator
 
     if repeats < 1 or prefix_tokens < 2 or continuation_tokens < 1:
         raise ConfigError("repeats ≥ 1, prefix ≥ 2 and continuation ≥ 1 tokens are required")
+    ref = parse_translator_ref(translator_ref) if translator_ref is not None else None
     source, target = load_model(source_name), load_model(target_name)
     check_same_tokenizer(source, target)
     for loaded in (source, target):
         check_length(loaded.layout, prefix_tokens + continuation_tokens, "bench sequence")
     ids = prompt_of_length(target.tokenizer, prefix_tokens + continuation_tokens)
     prefix, continuation = ids[:prefix_tokens], ids[prefix_tokens:]
-    if translator_path:
-        translator = load_for_pair(translator_path, source, target)
+    if ref is not None:
+        # The identity has no maps to train: time dense identity maps, which cost what a ν=1 map costs.
+        translator = load_translator_ref(ref, source, target)
+        translator = identity_translator(target.layout).to(target.model.device) if translator is None else translator
     else:  # relative-depth ν=1 maps of the right shapes: the cost does not depend on the values
         from translators.assignment import relative_depth
 
@@ -104,21 +95,17 @@ def run_step_bench(source_name: str, target_name: str, *, prefix_tokens: int = 5
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             timings[name].append(time.perf_counter() - start)
-    for name, fn in runs.items():  # memory in a separate pass: the profiler slows the timed path
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
+    for name, fn in runs.items():  # memory in a separate pass: the CPU probe slows the timed path
+        with peak_memory(device) as peak:
             fn()
-            peaks[name].append((torch.cuda.max_memory_allocated(device) - before) / 2**20)
-        else:
-            peaks[name].append(torch_peak_mb(fn))
+        peaks[name].append(peak.mb)
     med = {k: statistics.median(v) for k, v in timings.items()}
     mem = {k: (statistics.median(v) if v else None) for k, v in peaks.items()}
     base_mem = mem["target_fwd_bwd"]
     return {
         "source": source.name, "target": target.name, "prefix_tokens": prefix_tokens,
         "continuation_tokens": continuation_tokens, "repeats": repeats, "device": str(device),
-        "seconds": med, "peak_mb": mem, "memory_measure": "torch allocations above the start (CUDA allocator or CPU profiler)",
+        "seconds": med, "peak_mb": mem, "memory_measure": MEASURE,
         "time_ratio": med["distill_step"] / med["target_fwd_bwd"],
         "time_ratio_with_teacher": (med["distill_step"] + med["teacher_prefill"]) / med["target_fwd_bwd"],
         "memory_ratio": (mem["distill_step"] / base_mem) if mem["distill_step"] is not None and base_mem else None,

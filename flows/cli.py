@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from infra.settings import apply_offline_defaults, stop_local_services
-from translators.errors import KvlingoError
+from translators.errors import KvlingoError, NonFiniteError
 
 app = typer.Typer(
     help="kvlingo: fit, evaluate and deploy KV-cache translators between language models.",
@@ -32,7 +32,8 @@ DOCTOR_PROMPT = (
 )
 
 
-def _fail(err: Exception, code: int = 2) -> None:
+def _fail(err: Exception, code: int = 2) -> NoReturn:
+    """Print `err` on stderr and exit with `code` (2: bad input or an unavailable model; 1: a failed check)."""
     err_console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -132,6 +133,8 @@ def fit(
     steps: Annotated[int | None, typer.Option(help="stage-2 optimizer steps")] = None,
     lr: Annotated[float | None, typer.Option(help="stage-2 learning rate")] = None,
     workers: Annotated[int | None, typer.Option(help="stage-2 Ray Train workers (1: single process)")] = None,
+    gpu: Annotated[bool | None, typer.Option("--gpu/--no-gpu", help="one GPU per Ray Train worker (nccl); needs "
+                   "--workers > 1 and CUDA")] = None,
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (default: a local Ray)")] = None,
     output_dir: Annotated[Path | None, typer.Option(help="artifact directory (default: one per run fingerprint)")] = None,
     resume: Annotated[bool | None, typer.Option("--resume/--no-resume", help="resume stage 2 on an identical run "
@@ -145,6 +148,8 @@ def fit(
 
     With --track the fit runs as the `kvlingo-fit` Prefect flow: quick benchmarks, an MLflow run in the pair's
     experiment, and registration as `<source>--<target>` (candidate; the best version becomes champion).
+
+    Exit code 1 when training diverges (NaN/Inf loss or gradients: lower the learning rate), 2 on bad input.
     """
     from flows.fit import run_fit
     from infra.config import FitConfig, load_config
@@ -152,7 +157,7 @@ def fit(
     overrides = dict(
         source=source, target=target, stage1_only=stage1_only or None, assignment=assignment, nu=nu, point=point,
         ridge=ridge, head_wise=head_wise, weighting=weighting, data=data, n_train=n_train, n_val=n_val, seed=seed, output_dir=output_dir,
-        steps=steps, lr=lr, workers=workers, ray_address=ray_address, resume=resume,
+        steps=steps, lr=lr, workers=workers, gpu=gpu, ray_address=ray_address, resume=resume,
     )
     try:
         overrides["seeds"] = parse_seeds(seeds) if seeds is not None else None
@@ -165,6 +170,8 @@ def fit(
             summary = fit_flow(cfg)
         else:
             summary = run_fit(cfg)
+    except NonFiniteError as err:  # divergence: a failed run, not bad input
+        _fail(err, 1)
     except KvlingoError as err:
         _fail(err)
     if as_json:
@@ -241,7 +248,9 @@ def demo(
 
 
 bench_app = typer.Typer(
-    help="Speed and memory benchmarks: the switch (speed) and one distillation step (step).", no_args_is_help=True, add_completion=False
+    help="Speed, memory and hand-off benchmarks: the switch (speed), one distillation step (step) and alternating "
+    "multi-turn hand-offs (multiturn).",
+    no_args_is_help=True, add_completion=False
 )
 app.add_typer(bench_app, name="bench")
 
@@ -252,7 +261,8 @@ def bench_speed(
     target: Annotated[str, typer.Argument(help="target model (decodes after the switch)")],
     lengths: Annotated[str, typer.Option(help="comma-separated prefix lengths n")] = "256,1024,2048,4096",
     translator: Annotated[
-        Path | None, typer.Option(help="translator artifact; default: identity (same model) or a quick closed form")
+        str | None, typer.Option(help="PATH, models:/NAME@ALIAS or identity; default: dense identity maps (same "
+                                 "model) or a quick closed form")
     ] = None,
     repeats: Annotated[int, typer.Option(help="timed runs per length; medians are reported")] = 3,
     decode_tokens: Annotated[int, typer.Option(help="tokens decoded after each path for the decoding speed")] = 16,
@@ -288,7 +298,8 @@ def bench_step(
     prefix_tokens: Annotated[int, typer.Option(help="prefix length n")] = 512,
     continuation_tokens: Annotated[int, typer.Option(help="continuation length m")] = 64,
     repeats: Annotated[int, typer.Option(help="timed repeats (medians)")] = 3,
-    translator: Annotated[str | None, typer.Option(help="translator artifact (default: random ν=1 maps)")] = None,
+    translator: Annotated[str | None, typer.Option(help="PATH, models:/NAME@ALIAS or identity (dense identity maps); "
+                                                   "default: random ν=1 maps")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
     """One stage-2 distillation step beside one plain forward+backward of the target on the same tokens."""
@@ -296,7 +307,7 @@ def bench_step(
 
     try:
         result = run_step_bench(source, target, prefix_tokens=prefix_tokens, continuation_tokens=continuation_tokens,
-                                repeats=repeats, translator_path=translator)
+                                repeats=repeats, translator_ref=translator)
     except KvlingoError as err:
         _fail(err)
     if as_json:
@@ -320,6 +331,9 @@ def bench_multiturn(
     stage: Annotated[str, typer.Option(help="which fitted translators: closed_form | distilled")] = "distilled",
     fit_dir_ab: Annotated[Path | None, typer.Option(help="fit directory of A → B (default: the pair's run dir)")] = None,
     fit_dir_ba: Annotated[Path | None, typer.Option(help="fit directory of B → A")] = None,
+    translator_ab: Annotated[str | None, typer.Option(help="A → B translator: PATH, models:/NAME@ALIAS or identity "
+                             "(instead of --fit-dir-ab)")] = None,
+    translator_ba: Annotated[str | None, typer.Option(help="B → A translator (instead of --fit-dir-ba)")] = None,
     conversations: Annotated[int, typer.Option(help="held-out conversations")] = 8,
     turns: Annotated[int, typer.Option(help="alternating turns per conversation (2 to 12)")] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
@@ -329,6 +343,7 @@ def bench_multiturn(
 
     try:
         result = run_multiturn(model_a, model_b, stage=stage, fit_dir_ab=fit_dir_ab, fit_dir_ba=fit_dir_ba,
+                               translator_ab=translator_ab, translator_ba=translator_ba,
                                n_conversations=conversations, turns=turns)
     except KvlingoError as err:
         _fail(err)
@@ -367,9 +382,11 @@ def _num(value: float | None) -> str:
 def eval_command(
     source: Annotated[str, typer.Argument(help="source model")],
     target: Annotated[str, typer.Argument(help="target model")],
-    suite: Annotated[str, typer.Option(help="quick | full")] = "quick",
+    suite: Annotated[str | None, typer.Option(help="data_free | quick | full (default: data_free without --data-dir, "
+                                               "quick with it)")] = None,
     translator: Annotated[list[str] | None, typer.Option("--translator", help="PATH, models:/NAME@ALIAS, or identity (repeatable)")] = None,
-    benchmark: Annotated[list[str] | None, typer.Option("--benchmark", help="run only these benchmarks (repeatable)")] = None,
+    benchmark: Annotated[list[str] | None, typer.Option("--benchmark", help="run only these benchmarks (repeatable; "
+                                                        "any module of evals/benchmarks/)")] = None,
     limit: Annotated[int | None, typer.Option(help="items per benchmark")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="folder with the local benchmark files")] = None,
     fit_dir: Annotated[Path | None, typer.Option(help="fit directory holding closed_form/ and distilled/")] = None,
@@ -378,7 +395,12 @@ def eval_command(
     judge_model: Annotated[str | None, typer.Option(help="judge model (endpoint model name or zoo model)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
-    """Score the pair under target-native, source-native and translated caches on the same items."""
+    """Score the pair under target-native, source-native, empty-prefix and translated caches on the same items.
+
+    Without --data-dir the data-free suite runs (continuation KL, first-token KL, recall, needle retrieval), so
+    any pair with a fit (or --translator) can be evaluated out of the box; the benchmarks are listed in the
+    README and in evals/benchmarks/ (one module each).
+    """
     from flows.evaluate import EvalConfig, run_eval
     from infra.config import load_config
 
@@ -398,10 +420,13 @@ def eval_command(
         sys.stdout.write(json.dumps(result) + "\n")
         return
     table = Table("benchmark", "condition", "score", "± se", "n", "Δ vs target native [95% CI]",
-                  title=f"{result['source']} → {result['target']}")
+                  title=f"{result['source']} → {result['target']}" + (f" ({result['suite']} suite)" if result.get("suite") else ""),
+                  caption="↑ higher is better, ↓ lower is better")
     for row in result["rows"]:
         ci = f"{row['extra'].get('delta', float('nan')):+.3f} [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}]" if row.get("ci_low") is not None else ""
-        table.add_row(row["benchmark"], row["condition"], f"{row['score']:.3f}", f"{row['se']:.3f}", str(row["n"]), ci)
+        better = row["extra"].get("higher_is_better")
+        arrow = "" if better is None else (" ↑" if better else " ↓")
+        table.add_row(row["benchmark"] + arrow, row["condition"], f"{row['score']:.3f}", f"{row['se']:.3f}", str(row["n"]), ci)
     Console().print(table)
     for error in result["errors"]:
         err_console.print(f"[yellow]{error['benchmark']} not scored:[/] {error['error']}")

@@ -416,4 +416,4 @@ def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, run_sign
             return run_single(translator, src, tgt, train_pairs, val_pairs, settings, run_signature, checkpoints,
                               report=lambda record: progress.update(task, completed=record["step"]))
     return run_ray(translator, config.source, config.target, train_pairs, val_pairs, settings, run_signature,
-                   checkpoints, workers=config.workers, ray_address=config.ray_address)
+                   checkpoints, workers=config.workers, use_gpu=config.gpu, ray_address=config.ray_address)

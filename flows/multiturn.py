@@ -20,20 +20,15 @@ from translators.errors import ConfigError
 MODES = ("reprefill", "segment", "naive")
 
 
-def _render(tokenizer, messages: list[dict], *, generation_prompt: bool, after_turn: bool) -> list[int]:
-    """Token ids of ``messages`` (plus the assistant header when ``generation_prompt``).
+def _block(tokenizer, messages: list[dict], *, generation_prompt: bool, after_turn: bool) -> list[int]:
+    """Token ids of ``messages`` (plus the assistant header when ``generation_prompt``), by `infra.chat`.
 
-    ``after_turn``: the block follows a generated answer, which stops at the end-of-turn token
-    before the template's trailing newline, so the newline is written here.
+    ``after_turn``: the block follows a generated answer, which ends with its stop token (kept in the history)
+    before the format's newline, so the newline is written here.
     """
-    from infra.samples import has_chat_template
+    from infra.chat import render_chat
 
-    if has_chat_template(tokenizer):
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-    else:
-        rendered = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)
-        rendered += "Assistant:" if generation_prompt else ""
-    rendered = ("\n" if after_turn else "") + rendered
+    rendered = ("\n" if after_turn else "") + render_chat(tokenizer, messages, generation_prompt=generation_prompt)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
@@ -44,6 +39,8 @@ def run_multiturn(
     stage: str = "distilled",
     fit_dir_ab: Path | None = None,
     fit_dir_ba: Path | None = None,
+    translator_ab: str | None = None,
+    translator_ba: str | None = None,
     n_conversations: int = 8,
     turns: int = 8,
     max_new_tokens: int = 12,
@@ -51,12 +48,19 @@ def run_multiturn(
 ) -> dict[str, Any]:
     """Per mode and turn: recall accuracy over the conversations, plus translation counters.
 
+    Each direction's translator is `translator_ab`/`translator_ba` (a `registry.translator_ref` reference:
+    PATH, models:/NAME@ALIAS or identity) when given, else the `stage` artifact of `fit_dir_ab`/`fit_dir_ba`
+    (default: the newest fit of that direction).
+
     Raises:
-        ConfigError: turns outside 2..MAX_HANDOFF_TURNS, a missing translator artifact (says which fit to run), unknown stage.
+        ConfigError: turns outside 2..MAX_HANDOFF_TURNS, unknown stage, a malformed reference, a reference and a
+            fit directory for one direction, a missing translator artifact (says which fit to run).
         PairMismatchError: an artifact fitted for another pair.
     """
-    from infra.pairs import check_same_tokenizer, load_for_pair
+    from infra.chat import stop_ids
+    from infra.pairs import check_same_tokenizer
     from infra.zoo import load_model
+    from registry.translator_ref import load_translator_ref
     from translators.conversation import Conversation
     from translators.generation import GenerationSettings
     from translators.stage1 import Side
@@ -66,37 +70,34 @@ def run_multiturn(
                           f"got turns={turns}, conversations={n_conversations}")
     if stage not in ("closed_form", "distilled"):
         raise ConfigError(f"unknown stage {stage!r}: closed_form or distilled")
-    a, b = load_model(model_a), load_model(model_b)
+    fit_dirs = {("A", "B"): fit_dir_ab, ("B", "A"): fit_dir_ba}
+    refs = {("A", "B"): _given_ref(translator_ab, fit_dir_ab, "ab"), ("B", "A"): _given_ref(translator_ba, fit_dir_ba, "ba")}
+    loaded = {"A": load_model(model_a), "B": load_model(model_b)}
+    a, b = loaded["A"], loaded["B"]
     check_same_tokenizer(a, b)
-    dirs = {
-        ("A", "B"): Path(fit_dir_ab or latest_fit_dir(a.name, b.name)) / stage,
-        ("B", "A"): Path(fit_dir_ba or latest_fit_dir(b.name, a.name)) / stage,
-    }
-    for (src, tgt), path in dirs.items():
-        if not (path / "manifest.json").is_file():
-            names = {"A": a.name, "B": b.name}
-            raise ConfigError(f"no {stage} translator at {path}: run `kvlingo fit {names[src]} {names[tgt]}` "
-                              "(or pass its fit directory)")
-    translators = {("A", "B"): load_for_pair(dirs[("A", "B")], a, b), ("B", "A"): load_for_pair(dirs[("B", "A")], b, a)}
+    for (src, tgt), ref in refs.items():
+        if ref is None:
+            refs[(src, tgt)] = _fit_ref(fit_dirs[(src, tgt)], stage, loaded[src].name, loaded[tgt].name)
+    translators = {(src, tgt): load_translator_ref(ref, loaded[src], loaded[tgt]) for (src, tgt), ref in refs.items()}
     sides = {"A": Side(a.model, a.layout), "B": Side(b.model, b.layout)}
     tokenizer = b.tokenizer
-    stop = {t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)}
-    settings = GenerationSettings(max_new_tokens=max_new_tokens, stop_ids=tuple(sorted(stop)))
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, stop_ids=stop_ids(tokenizer))
     conversations = handoff_conversations(n_conversations, turns, seed)
     result: dict[str, Any] = {"model_a": a.name, "model_b": b.name, "stage": stage, "turns": turns,
-                              "n_conversations": n_conversations, "modes": {}}
+                              "n_conversations": n_conversations,
+                              "translators": {"ab": refs[("A", "B")].text, "ba": refs[("B", "A")].text}, "modes": {}}
     for mode in MODES:
         hits = [[0.0] * n_conversations for _ in range(turns)]
         max_count = 0
         for c, item in enumerate(conversations):
             conv = Conversation(sides, holder="A", translators=translators, mode=mode, tokenizer=tokenizer)
-            conv.append(_render(tokenizer, item.opening, generation_prompt=False, after_turn=False))
+            conv.append(_block(tokenizer, item.opening, generation_prompt=False, after_turn=False))
             for t, (question, gold) in enumerate(item.questions):
                 holder = "A" if t % 2 == 0 else "B"
                 if conv.holder != holder:
                     conv.switch_to(holder)
-                conv.append(_render(tokenizer, [{"role": "user", "content": question}], generation_prompt=True,
-                                    after_turn=t > 0))
+                conv.append(_block(tokenizer, [{"role": "user", "content": question}], generation_prompt=True,
+                                   after_turn=t > 0))
                 answer = conv.generate(settings).text or ""
                 hits[t][c] = float(gold.lower() in answer.strip().split("\n")[0].lower())
             max_count = max(max_count, conv.max_translation_count())
@@ -106,3 +107,33 @@ def run_multiturn(
             "max_times_a_span_was_translated": max_count,
         }
     return result
+
+
+def _given_ref(text: str | None, fit_dir: Path | None, direction: str):
+    """The parsed `--translator-<direction>` reference, or None when not given.
+
+    Raises:
+        ConfigError: a malformed reference, or one given beside `--fit-dir-<direction>`.
+    """
+    from registry.translator_ref import parse_translator_ref
+
+    if text is None:
+        return None
+    if fit_dir is not None:
+        raise ConfigError(f"give --translator-{direction} or --fit-dir-{direction}, not both")
+    return parse_translator_ref(text)
+
+
+def _fit_ref(fit_dir: Path | None, stage: str, source: str, target: str):
+    """The reference to the `stage` artifact of a fit directory (default: the newest fit of source → target).
+
+    Raises:
+        ConfigError: no such artifact (says which fit to run).
+    """
+    from registry.translator_ref import TranslatorRef
+
+    path = Path(fit_dir or latest_fit_dir(source, target)) / stage
+    if not (path / "manifest.json").is_file():
+        raise ConfigError(f"no {stage} translator at {path}: run `kvlingo fit {source} {target}` "
+                          "(or pass its fit directory, or a translator reference)")
+    return TranslatorRef("path", str(path), path)

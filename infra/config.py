@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from translators.errors import ConfigError
 
@@ -41,6 +41,8 @@ class FitConfig(BaseModel):
     lr: float = Field(3e-3, gt=0, description="stage-2 peak learning rate (AdamW, cosine, 5% warmup)")
     batch: int = Field(8, ge=1, description="effective batch: conversations per step (accumulated)")
     workers: int = Field(1, ge=1, description="1: single process; >1: Ray Train workers")
+    gpu: bool = Field(False, description="one GPU per Ray Train worker (nccl backend); needs workers > 1 and CUDA. "
+                      "Execution placement only: not part of the run fingerprint")
     eval_every: int = Field(20, ge=1)
     checkpoint_every: int = Field(20, ge=1)
     objective: Literal["kl", "ce", "mixed"] = "kl"
@@ -51,6 +53,32 @@ class FitConfig(BaseModel):
                          "one is refused, naming the fields); False starts over and replaces the directory's run")
     seeds: list[int] | None = Field(None, min_length=1, description="stage-2 seeds (one distillation each from the "
                                     "same closed form); default [seed]")
+
+    @model_validator(mode="after")
+    def _gpu_needs_workers_and_cuda(self) -> FitConfig:
+        """Refuse `gpu` without Ray workers (workers > 1), or, for a local Ray (no ray_address), without a CUDA
+        device per worker on this machine; before any model loads. A remote cluster's GPUs are its own to check.
+
+        Raises:
+            ValueError: reported by `load_config` as a ConfigError.
+        """
+        if not self.gpu:
+            return self
+        if self.workers < 2:
+            raise ValueError(f"gpu places Ray Train workers on GPUs: set workers > 1 (got workers={self.workers}); "
+                             "a single-process fit uses the device the models load on")
+        if self.ray_address is not None:
+            return self
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("gpu needs a CUDA device, and torch.cuda.is_available() is False here: install the CUDA "
+                             "build of torch (README, GPU machines), join a GPU cluster with ray_address, or drop gpu")
+        if torch.cuda.device_count() < self.workers:
+            raise ValueError(f"gpu gives each Ray Train worker its own GPU, but a local Ray sees "
+                             f"{torch.cuda.device_count()} here for workers={self.workers}: lower workers or join a "
+                             "cluster with ray_address")
+        return self
 
 
 def load_config(model: type[BaseModel], yaml_path: Path | None, overrides: dict[str, Any]) -> BaseModel:
@@ -71,7 +99,8 @@ def load_config(model: type[BaseModel], yaml_path: Path | None, overrides: dict[
     try:
         return model.model_validate(values)
     except ValidationError as err:
-        problems = [f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}" for e in err.errors()]
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg'].removeprefix('Value error, ')}"
+                    for e in err.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
 
 
@@ -88,7 +117,9 @@ class SpeedBenchConfig(BaseModel):
     source: str
     target: str
     lengths: list[Annotated[int, Field(ge=2)]] = Field([256, 1024, 2048, 4096], min_length=1, description="prefix lengths n")
-    translator: Path | None = Field(None, description="translator artifact; default identity (same model) or an on-the-fly closed form")
+    translator: str | None = Field(None, description="translator reference: PATH, models:/NAME@ALIAS or identity "
+                                   "(registry.translator_ref); default dense identity maps (same model) or an "
+                                   "on-the-fly closed form")
     repeats: int = Field(3, ge=1, description="timed runs per length (medians reported)")
     decode_tokens: int = Field(16, ge=1, description="tokens decoded after each path to measure decoding speed")
     point: Literal["pre_norm", "post_norm", "post_rope"] = "pre_norm"

@@ -3,8 +3,8 @@
 It keys the default run directory, stage-2 checkpoints (resume only on an identical fingerprint), sweep cells
 and registry tags. Its fields are
 
-- every `FitConfig` field except those in `NON_RESULT_FIELDS` (where output goes, how many workers, how often
-  to log): a field added to the config later is part of the fingerprint unless it is listed there;
+- every `FitConfig` field except those in `NON_RESULT_FIELDS` (where output goes, how many workers on which
+  devices, how often to log): a field added to the config later is part of the fingerprint unless it is listed there;
 - the exact signatures of both models (`infra.zoo.model_signature`: weight identity, config, tokenizer, layout);
 - the hash of the data manifest (`infra.data_manifest`): which conversations trained and validated.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 # Config fields that change where or how a run reports, never what it computes.
 NON_RESULT_FIELDS = frozenset(
-    {"output_dir", "workers", "ray_address", "eval_every", "checkpoint_every", "stage1_only", "resume", "seeds"}
+    {"output_dir", "workers", "gpu", "ray_address", "eval_every", "checkpoint_every", "stage1_only", "resume", "seeds"}
 )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from infra.samples import flatten_conversation, has_chat_template
+from infra.chat import chat_ids, flatten_conversation
 from infra.synthetic_chat import generate_conversations, recall_items
 from translators.errors import ConfigError
 
@@ -42,21 +42,11 @@ def prompt_of_length(tokenizer: Any, n_tokens: int, seed: int = 0) -> torch.Tens
 def heldout_prefixes(tokenizer: Any, n_items: int, seed: int = 0) -> list[torch.Tensor]:
     """Held-out switch prefixes: conversations ending with a user question, cut where the assistant answers.
 
-    Rendered with the chat template (generation prompt included) when the tokenizer has one, otherwise as
-    flattened text ending in "Assistant:". Each is a [n_i] int64 tensor.
+    Rendered by `infra.chat.chat_ids` (generation prompt included). Each is a [n_i] int64 tensor.
 
     Raises:
         ConfigError: n_items < 1.
     """
     if isinstance(n_items, bool) or not isinstance(n_items, int) or n_items < 1:
         raise ConfigError(f"the number of held-out items must be a positive integer, got {n_items!r}")
-    prefixes = []
-    for item in recall_items(n_items, seed):
-        if has_chat_template(tokenizer):
-            ids = tokenizer.apply_chat_template(item.messages, tokenize=True, add_generation_prompt=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            text = flatten_conversation(item.messages) + "\nAssistant:"
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        prefixes.append(torch.tensor(list(ids), dtype=torch.long))
-    return prefixes
+    return [chat_ids(tokenizer, item.messages, generation_prompt=True) for item in recall_items(n_items, seed)]

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from infra.chat import flatten_conversation, has_chat_template, render_chat
 from infra.conversations import Conversation, Corpus, TextDocument
 from translators.errors import ConfigError, PrefixTooLongError
 
@@ -74,11 +75,6 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
 def _tensor(ids: Sequence[int]) -> torch.Tensor:
     """``[len(ids)]`` int64 tensor."""
     return torch.tensor(list(ids), dtype=torch.long)
-
-
-def has_chat_template(tokenizer: Any) -> bool:
-    """Whether the tokenizer carries a chat template."""
-    return bool(getattr(tokenizer, "chat_template", None))
 
 
 def _report_skips(what: str, skipped: Counter, total: int) -> None:
@@ -171,16 +167,10 @@ def _eligible_turns(messages: Conversation) -> list[int]:
             if t >= 1 and m.get("role") == "assistant" and str(m.get("content", "")).strip()]
 
 
-def _render(tokenizer: Any, messages: Conversation, generation_prompt: bool) -> str:
-    """The chat template's text for ``messages`` (with ``enable_thinking=False``, see chat_samples)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                         enable_thinking=False)
-
-
 def _render_pair(tokenizer: Any, messages: Conversation, turn: int) -> tuple[str, str] | None:
     """(prefix text, continuation text) for assistant turn ``turn``; None if the answer is not found."""
-    prefix = _render(tokenizer, messages[:turn], generation_prompt=True)
-    full = _render(tokenizer, messages[: turn + 1], generation_prompt=False)
+    prefix = render_chat(tokenizer, messages[:turn], generation_prompt=True)
+    full = render_chat(tokenizer, messages[: turn + 1], generation_prompt=False)
     if full.startswith(prefix):
         return prefix, full[len(prefix):]
     # The template renders the final answer differently from a generation prompt (e.g. Qwen3 moves or
@@ -261,11 +251,6 @@ def text_samples(documents: Sequence[TextDocument | str], tokenizer: Any, *, see
 
 
 # --- Dispatch -----------------------------------------------------------------------------------
-
-
-def flatten_conversation(messages: Conversation) -> str:
-    """A chat as plain text, one ``"User: ..."`` / ``"Assistant: ..."`` / ``"System: ..."`` line per turn."""
-    return "\n".join(f"{str(m.get('role', '')).capitalize()}: {m.get('content', '')}" for m in messages)
 
 
 def build_samples(corpus: Corpus, tokenizer: Any, *, seed: int, max_prefix_tokens: int = 1024,

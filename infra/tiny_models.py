@@ -619,12 +619,14 @@ def train_tiny_model(name: str, tokenizer, *, parent=None, progress: bool = True
 
 
 def _set_generation_config(model, tokenizer) -> None:
-    """Greedy decoding that stops at ``<|im_end|>`` (or ``<|endoftext|>``)."""
+    """Greedy decoding that stops at `infra.chat.stop_ids` (``<|im_end|>``, ``<|endoftext|>``)."""
     from transformers import GenerationConfig
 
-    eos = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)]
+    from infra.chat import stop_ids
+
     model.generation_config = GenerationConfig(
-        eos_token_id=eos, pad_token_id=eos[1], do_sample=False, max_new_tokens=64)
+        eos_token_id=list(stop_ids(tokenizer)), pad_token_id=tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        do_sample=False, max_new_tokens=64)
 
 
 # --- Public entry points ------------------------------------------------------------------------
@@ -698,16 +700,17 @@ def _generate_hits(model, tokenizer, items: Sequence[EvalItem], max_new_tokens: 
     """Greedy answers for one batch (left-padded), judged against the gold answers."""
     import torch
 
+    from infra.chat import stop_ids
+
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     prompts = [tokenizer(render_chat(i.messages, add_generation_prompt=True),
                          add_special_tokens=False)["input_ids"] for i in items]
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    eos = [tokenizer.convert_tokens_to_ids(IM_END), pad_id]
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
-                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_id)
+                             max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids(tokenizer)), pad_token_id=pad_id)
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
     return [item.answer.strip().removesuffix(".") in text.strip().split("\n")[0]
             for item, text in zip(items, texts)]

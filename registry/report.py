@@ -274,15 +274,34 @@ def best_translator_rows(db_path: str | Path) -> list[dict[str, Any]]:
     return [{k: (_number(row[k]) if k in ("val_kl", "lr") else row[k]) for k in BEST_KEYS} for row in rows]
 
 
+def json_rows(db_path: str | Path, name: str) -> list[dict[str, Any]]:
+    """All rows of one table or view (`read_table`) with JSON-safe values: floats finite or None (NaN, e.g. the
+    SD of a single seed, becomes None), bools, ints and strings as they are, anything else as text.
+
+    Raises:
+        RegistryError: unknown table name or no file.
+    """
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, str)):
+            return value
+        if isinstance(value, float):
+            return _number(value)
+        return str(value)
+
+    return [{k: plain(v) for k, v in row.items()} for row in read_table(db_path, name)]
+
+
 def report_json(db_path: str | Path) -> dict[str, Any]:
     """`kvlingo report --json`: {"runs": report_rows, "best_translators": best_translator_rows,
-    "best_translators_ranking": RANKING_NOTE}.
+    "best_translators_ranking": RANKING_NOTE, "lr_sweep": rows of the `lr_sweep` view, "bench_deltas": rows of
+    the `bench_deltas` view} (the views' columns are described in the module docstring; `json_rows`).
 
     Raises:
         RegistryError: no summary file.
     """
     return {"runs": report_rows(db_path), "best_translators": best_translator_rows(db_path),
-            "best_translators_ranking": RANKING_NOTE}
+            "best_translators_ranking": RANKING_NOTE, "lr_sweep": json_rows(db_path, "lr_sweep"),
+            "bench_deltas": json_rows(db_path, "bench_deltas")}
 
 
 def export_parquet(db_path: str | Path, out_dir: str | Path) -> list[Path]:

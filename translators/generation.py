@@ -1,7 +1,13 @@
 """Token-by-token generation on top of a cache: greedy or temperature/top-p sampling, stop ids, a budget.
 
-The switch runtime, its re-prefill reference and the multi-turn conversation all decode through
-`decode_from`, so every path picks tokens the same way and differences come only from the caches.
+`decode_from` is the platform's one decoding loop: the switch runtime, its re-prefill reference, the multi-turn
+conversation, the timing harness and the evaluation conditions (`evals.conditions.greedy_generate`) all decode
+through it, so every path picks tokens the same way and differences come only from the caches.
+
+Stop semantics (everywhere): a stop id ends generation and IS included as the last returned token (as
+transformers' `generate` returns it), and `Decoded.stopped` says why generation ended. The budget
+`max_new_tokens` counts every returned token, the stop id included. Callers that want the answer's text decode
+with `skip_special_tokens=True`, or drop the last token when `stopped == "stop_id"` (`Decoded.answer_ids`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ class GenerationSettings:
     temperature 0 means greedy (argmax); otherwise tokens are sampled from softmax(logits / temperature)
     restricted to the smallest set whose probability reaches `top_p`, with a torch.Generator seeded by `seed`.
     Generation stops after `max_new_tokens` tokens or right after emitting one of `stop_ids` (kept in the
-    output, as transformers' `generate` does).
+    output, as transformers' `generate` does; see the module docstring).
     """
 
     max_new_tokens: int = 32
@@ -51,11 +57,16 @@ class GenerationSettings:
 class Decoded:
     """Tokens produced by `decode_from` and what it spent after the first token."""
 
-    token_ids: list[int]
-    stopped: str  # "stop_id" | "max_new_tokens"
+    token_ids: list[int]  # a final stop id included
+    stopped: str  # "stop_id" | "should_stop" | "max_new_tokens"
     first_pick_s: float  # choosing the first token from the given logits
     decode_s: float  # every later step (forward + pick)
     step_s: list[float] = field(default_factory=list)  # per later step
+
+    @property
+    def answer_ids(self) -> list[int]:
+        """The generated tokens without the final stop id (all of them when no stop id ended generation)."""
+        return self.token_ids[:-1] if self.stopped == "stop_id" else list(self.token_ids)
 
 
 def sync(device: torch.device | str) -> None:
@@ -99,14 +110,19 @@ def decode_from(
     *,
     generator: torch.Generator | None = None,
     step: Callable[[nn.Module, DynamicCache, torch.Tensor], torch.Tensor] | None = None,
+    should_stop: Callable[[list[int]], bool] | None = None,
 ) -> Decoded:
     """Generate from `first_logits` (the prediction after the prefix) on top of `cache` (extended in place).
 
-    The last emitted token is not fed back: its keys and values are computed by whoever reads it next.
+    Stops right after a stop id (which is returned), when `should_stop` says so, or at `max_new_tokens` tokens
+    (module docstring). The last emitted token is not fed back: its keys and values are computed by whoever
+    reads it next, so a cache of n tokens ends at n + len(token_ids) - 1.
 
     Args:
         first_logits: [vocab] logits for the first new token.
         step: forward of one token on the cache returning [vocab] logits; default `decode_step`.
+        should_stop: called with the tokens so far after each token that is not a stop id; True ends
+            generation (stop strings, which need the decoded text).
     """
     step = step or (lambda m, c, ids: decode_step(m, c, ids, logits_to_keep=1)[-1])
     generator = generator if generator is not None else make_generator(settings)
@@ -115,11 +131,22 @@ def decode_from(
     tokens = [pick_token(first_logits, settings, generator)]
     first_pick_s = time.perf_counter() - started
     step_s: list[float] = []
-    while tokens[-1] not in stops and len(tokens) < settings.max_new_tokens:
+    while (stopped := _why_stop(tokens, stops, settings.max_new_tokens, should_stop)) is None:
         t0 = time.perf_counter()
         logits = step(model, cache, torch.tensor([tokens[-1]]))
         tokens.append(pick_token(logits, settings, generator))
         sync(first_logits.device)
         step_s.append(time.perf_counter() - t0)
-    stopped = "stop_id" if tokens[-1] in stops else "max_new_tokens"
     return Decoded(token_ids=tokens, stopped=stopped, first_pick_s=first_pick_s, decode_s=sum(step_s), step_s=step_s)
+
+
+def _why_stop(tokens: list[int], stops: set[int], budget: int,
+              should_stop: Callable[[list[int]], bool] | None) -> str | None:
+    """Why generation ends after `tokens` ("stop_id" | "should_stop" | "max_new_tokens"), or None to go on."""
+    if tokens[-1] in stops:
+        return "stop_id"
+    if should_stop is not None and should_stop(tokens):
+        return "should_stop"
+    if len(tokens) >= budget:
+        return "max_new_tokens"
+    return None

@@ -55,7 +55,8 @@ def test_cross_model_pair_fits_a_quick_closed_form(dirs, kvlingo_home):
         (["--lengths", "1"], "greater than or equal to 2"),
         (["--lengths", "64,200"], "lengths [200] plus 16 decoded tokens exceed the 128 positions"),
         (["--repeats", "0"], "repeats: Input should be greater than or equal to 1"),
-        (["--translator", "/nonexistent"], "is not a translator artifact"),
+        (["--translator", "/nonexistent"], "translator '/nonexistent': no such directory"),
+        (["--translator", "models:/pair@"], "is not a valid registry URI"),
         (["--threads", "0"], "threads: Input should be greater than or equal to 1"),
     ],
 )
@@ -95,3 +96,27 @@ def test_bench_step_json(tmp_path):
     out = _json.loads(result.stdout)
     assert set(out["seconds"]) == {"distill_step", "teacher_prefill", "target_fwd_bwd"}
     assert out["time_ratio"] > 0 and out["peak_mb"]["target_fwd_bwd"] > 0
+
+
+def test_identity_reference_copies_the_source_cache(dirs, kvlingo_home):
+    """`--translator identity`: no maps at all (zero map FLOPs), and the switch still picks the re-prefill's token."""
+    result = bench(dirs["qwen"], dirs["qwen"], "--lengths", "16", "--repeats", "1", "--decode-tokens", "2",
+                   "--translator", "identity", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    row = report["rows"][0]
+    assert report["translator"].startswith("identity") and row["map_flops"] == 0 and row["first_token_match"] is True
+    assert row["switch_peak_mb"] > 0 and row["prefill_peak_mb"] > 0 and "torch allocations" in report["memory"]
+
+
+def test_bench_step_takes_a_translator_reference(tmp_path):
+    from tiny_configs import save_tiny_model_dir
+
+    model = str(save_tiny_model_dir("qwen3", tmp_path / "m"))
+    result = runner.invoke(app, ["bench", "step", model, model, "--prefix-tokens", "16", "--continuation-tokens", "4",
+                                 "--repeats", "1", "--translator", "identity", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["translator_parameters"] == 2 * 3 * 32 * 32  # dense identity maps: keys and values, 3 layers, width 32
+    result = runner.invoke(app, ["bench", "step", model, model, "--translator", "models:/x", "--json"])
+    assert result.exit_code == 2 and "not a valid registry URI" in " ".join(result.stderr.split())

@@ -45,6 +45,14 @@ def test_reporting_fields_leave_the_fingerprint_alone(change):
     assert fingerprint(fields_of()) == fingerprint(fields_of(**change))
 
 
+def test_gpu_placement_leaves_the_fingerprint_alone():
+    # FitConfig refuses gpu=True on a machine without CUDA, so the field is flipped in the dumped config.
+    config = FitConfig(source="a", target="b", workers=2).model_dump(mode="json")
+    assert "gpu" in NON_RESULT_FIELDS and config["gpu"] is False
+    on_gpu = fingerprint_fields({**config, "gpu": True}, SIGS, "manifest-0")
+    assert fingerprint(on_gpu) == fingerprint(fingerprint_fields(config, SIGS, "manifest-0"))
+
+
 def test_model_build_and_data_change_the_fingerprint():
     config = FitConfig(source="a", target="b").model_dump(mode="json")
     base = fingerprint_fields(config, SIGS, "manifest-0")

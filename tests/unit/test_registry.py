@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from registry.errors import RegistryError, TrackingUnavailableError
-from registry.report import RANKING_NOTE, export_parquet, read_table, refresh_duckdb, report_rows
+from registry.report import RANKING_NOTE, export_parquet, read_table, refresh_duckdb, report_json, report_rows
 from registry.tracking import (
     check_tracking_uri,
     default_tracking_uri,
@@ -344,6 +344,10 @@ def test_report_rows_duckdb_views_and_parquet(store, tmp_path):
     half = 1.96 * (0.03**2 + 0.02**2) ** 0.5
     assert unpaired["ci_method"] == "normal_unpaired"
     assert (unpaired["ci_low"], unpaired["ci_high"]) == pytest.approx((-0.10 - half, -0.10 + half))
+    # `report --json` carries the same deltas, JSON-safe.
+    as_json = {d["condition"]: d for d in json.loads(json.dumps(report_json(db)["bench_deltas"]))}
+    assert as_json["translated"]["delta"] == pytest.approx(-0.05) and as_json["translated"]["ci_method"] == "paired_bootstrap"
+    assert set(as_json) == {"translated", "source_native"}
 
     files = export_parquet(db, tmp_path / "parquet")
     assert {f.name for f in files} == {f"{n}.parquet" for n in ("runs", "bench", "best_translators", "lr_sweep", "bench_deltas")}
@@ -366,7 +370,13 @@ def test_cli_report_json_contract_rich_tables_and_parquet(store, tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["report", "--json", "--parquet", str(tmp_path / "pq")])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout) == {"runs": [
+    report = json.loads(result.stdout)
+    # The sweep and benchmark-delta views travel too: one distilled rate (seed SD undefined: null), no benchmarks.
+    sweep = report.pop("lr_sweep")
+    assert [(r["source"], r["target"], r["lr"], r["val_kl"], r["is_best"], r["n_runs"], r["seed_sd_val_kl"],
+             r["best_run_id"]) for r in sweep] == [("a", "b", 0.003, 0.25, True, 1, None, run_id)]
+    assert report.pop("bench_deltas") == []
+    assert report == {"runs": [
         {"source": "a", "target": "b", "stage": "closed_form", "val_kl": 0.40, "lr": None, "run_id": run_id},
         {"source": "a", "target": "b", "stage": "distilled", "val_kl": 0.25, "lr": 0.003, "run_id": run_id},
     ], "best_translators": [
