@@ -163,10 +163,11 @@ def fit(
         overrides["seeds"] = parse_seeds(seeds) if seeds is not None else None
         cfg = load_config(FitConfig, config, overrides)
         if track:
-            from flows.pipeline import fit_flow
+            from flows.pipeline import fit_flow, start_local_prefect_api
             from registry.tracking import use_tracking_store
 
             use_tracking_store()  # an unreachable tracking server fails here, before any compute
+            start_local_prefect_api()
             summary = fit_flow(cfg)
         else:
             summary = run_fit(cfg)
@@ -209,7 +210,7 @@ def parse_seeds(text: str) -> list[int]:
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option(help="stage-2 steps per direction")] = 60,
+    steps: Annotated[int | None, typer.Option(help="stage-2 steps per direction (default: kvlingo fit's)")] = None,
     eval_limit: Annotated[int, typer.Option(help="items per benchmark")] = 6,
     data_dir: Annotated[Path | None, typer.Option(help="also run the local-file benchmarks from this folder")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
@@ -493,7 +494,7 @@ def sweep(
     """Learning-rate sweep (App. E) as the `kvlingo-sweep` Prefect flow; re-running reuses finished cells."""
     import yaml
 
-    from flows.pipeline import sweep_flow
+    from flows.pipeline import start_local_prefect_api, sweep_flow
     from infra.config import FitConfig, load_config
     from registry.tracking import use_tracking_store
     from translators.lr_selection import initial_rates
@@ -506,6 +507,7 @@ def sweep(
         load_config(FitConfig, None, {**base, "source": source, "target": target})  # validate before compute
         initial_rates(centre_lr, n_rates)
         use_tracking_store()
+        start_local_prefect_api()
         result = sweep_flow([(source, target)], both_directions=not one_direction, centre_lr=centre_lr,
                             n_rates=n_rates, seeds=seed_list, base=base)
     except KvlingoError as err:

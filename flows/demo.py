@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
-def run_demo(*, steps: int = 60, eval_limit: int = 6, data_dir: Path | None = None) -> dict[str, Any]:
+def run_demo(*, steps: int | None = None, eval_limit: int = 6, data_dir: Path | None = None) -> dict[str, Any]:
     from flows.pipeline import demo_flow
     from registry.tracking import use_tracking_store
 

@@ -20,7 +20,25 @@ from tasks.evaluate import eval_task
 from tasks.fit import closed_form_task, distill_task, gram_shard_task, plan_task
 from tasks.track import finished_cell_task, log_run_task, register_task
 
-DATA_FREE_BENCHMARKS = ["val_kl", "recall", "ruler_noise"]
+
+def start_local_prefect_api() -> None:
+    """Start Prefect's temporary local API now, one kvlingo process at a time; a no-op when a Prefect server is
+    configured (PREFECT_API_URL). Call before running a flow.
+
+    Processes on one KVLINGO_HOME share the sqlite database in PREFECT_HOME: temporary servers starting at the
+    same moment both migrate it, and one fails its start-up with a traceback (Prefect then retries on another
+    port). A flow started afterwards uses the server started here.
+    """
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from infra.locks import named_lock
+
+    with named_lock("prefect-api", "the start of Prefect's temporary API"):
+        SubprocessASGIServer().start()
 
 
 def _shards(samples: list, n: int) -> list[list]:
@@ -30,6 +48,16 @@ def _shards(samples: list, n: int) -> list[list]:
 
 
 def _stage1(config: FitConfig, n_shards: int):
+    """Plan, Gram statistics and closed form, one process at a time per model pair: concurrent sweeps or
+    tracked fits of a pair share the run directory (config.yaml, fingerprint.json, closed_form/) and the
+    statistics store, so the second waits, then reuses the first's statistics."""
+    from infra.locks import named_lock
+
+    with named_lock(f"stage1-{config.source}--{config.target}", f"stage 1 of {config.source} → {config.target}"):
+        return _stage1_unlocked(config, n_shards)
+
+
+def _stage1_unlocked(config: FitConfig, n_shards: int):
     plan = plan_task(config)
     train_shards, val_shards = _shards(plan.train, n_shards), _shards(plan.val, 1)
     futures = [gram_shard_task.submit(plan, shard) for shard in train_shards + val_shards]
@@ -40,9 +68,12 @@ def _stage1(config: FitConfig, n_shards: int):
 
 
 def _benchmarks(config: FitConfig, fit_dir: Path, eval_limit: int, data_dir: Path | None, ruler_lengths: list[int]) -> list[dict]:
-    benchmarks = DATA_FREE_BENCHMARKS + (["mmlu_pro", "arc_challenge", "gsm8k", "xquad_multiturn"] if data_dir else [])
+    """The fit's benchmarks, read from the registry (evals/benchmarks/): the data-free suite, or with a data
+    folder the quick suite (the data-free benchmarks plus the local-file ones)."""
+    from evals.benchmarks import default_suite
+
     eval_config = EvalConfig(
-        source=config.source, target=config.target, benchmarks=benchmarks, fit_dir=fit_dir, limit=eval_limit,
+        source=config.source, target=config.target, suite=default_suite(data_dir), fit_dir=fit_dir, limit=eval_limit,
         data_dir=data_dir, ruler_lengths=ruler_lengths,
     )
     return eval_task(eval_config)["rows"]
@@ -84,7 +115,9 @@ def sweep_flow(
 ) -> dict[str, Any]:
     """App. E: per (pair, direction) five rates half a decade apart around `centre_lr`, extended while the best is
     on an edge, selected by final validation KL; the remaining seeds then train at the chosen rate. Stage 1 and
-    finished cells are reused on a re-run."""
+    finished cells are reused on a re-run. Sweeps running at once on one KVLINGO_HOME take turns per cell (a
+    file lock held from the look-up to the registration): each cell trains once, the other sweep reads it."""
+    from infra.locks import named_lock
     from registry.tracking import pair_name, tracking_client, use_tracking_store
     from translators.lr_selection import select_learning_rate
 
@@ -104,16 +137,18 @@ def sweep_flow(
         def cell(lr: float, seed: int) -> float:
             # The cell's full run fingerprint: config (with this lr and seed), exact model pair, data manifest.
             key = fingerprint(plan.stage2_fields(config.model_copy(update={"lr": lr, "seed": seed})))
-            found = finished_cell_task(key, pair_name(source, target))
-            if found and found["val_kl"] is not None:
-                return found["val_kl"]
-            _, cell_summary = distill_task(plan, closed_form, summary, lr=lr, seed=seed,
-                                           cell_dir=plan.out / "sweep" / f"lr_{lr:.3g}_seed_{seed}")
-            run_id = log_run_task(cell_summary, config.model_copy(update={"lr": lr, "seed": seed}).model_dump(mode="json"),
-                                  parent_run_id=parent.info.run_id, tags={"kvlingo.cell": key})
-            trained.append(run_id)
-            register_task(cell_summary["artifact"], run_id)
-            return cell_summary["val_kl"]["distilled"]
+            # Held from the look-up to the registration: a concurrent sweep waits, then finds the logged cell.
+            with named_lock(f"cell-{key}", f"sweep cell lr={lr:.3g} seed={seed} of {source} → {target}"):
+                found = finished_cell_task(key, pair_name(source, target))
+                if found and found["val_kl"] is not None:
+                    return found["val_kl"]
+                _, cell_summary = distill_task(plan, closed_form, summary, lr=lr, seed=seed,
+                                               cell_dir=plan.out / "sweep" / f"lr_{lr:.3g}_seed_{seed}")
+                run_id = log_run_task(cell_summary, config.model_copy(update={"lr": lr, "seed": seed}).model_dump(mode="json"),
+                                      parent_run_id=parent.info.run_id, tags={"kvlingo.cell": key})
+                trained.append(run_id)
+                register_task(cell_summary["artifact"], run_id)
+                return cell_summary["val_kl"]["distilled"]
 
         selected, by_rate = select_learning_rate(lambda lr: cell(lr, seeds[0]), centre_lr, n=n_rates)
         seed_kl = {seed: cell(selected, seed) for seed in seeds[1:]}
@@ -139,7 +174,7 @@ def benchmark_flow(config: EvalConfig) -> dict[str, Any]:
     result = eval_task(config)
     use_tracking_store()
     client = tracking_client()
-    run = client.create_run(_experiment_id(client, result["source"], result["target"]), run_name=f"benchmark {config.suite}",
+    run = client.create_run(_experiment_id(client, result["source"], result["target"]), run_name=f"benchmark {config.suite_name()}",
                             tags={"kvlingo.kind": "benchmark", "source": result["source"], "target": result["target"],
                                   "translators": ",".join(config.translators)})
     log_benchmark_rows(run.info.run_id, result["rows"])
@@ -151,17 +186,15 @@ DEMO_PAIR = ("kvlingo-tiny-l", "kvlingo-tiny-s")
 
 
 @flow(name="kvlingo-demo")
-def demo_flow(steps: int = 60, n_train: int = 600, n_val: int = 24, eval_limit: int = 6,
-              data_dir: Path | None = None) -> dict[str, Any]:
-    """The README's main job: the embedded pair in both directions, tracked, registered, summarised."""
+def demo_flow(steps: int | None = None, eval_limit: int = 6, data_dir: Path | None = None) -> dict[str, Any]:
+    """The README's main job: the embedded pair in both directions with `kvlingo fit`'s default recipe (`steps`
+    overrides stage 2's length, for quick checks), tracked, registered, summarised."""
     from registry.report import refresh_duckdb, report_rows
 
     fits = []
     for source, target in (DEMO_PAIR, DEMO_PAIR[::-1]):
-        # 600 conversations: with fewer, stage 2 starts to overfit the maps within 60 steps on this pair.
-        # lr 1e-3: the closed form is already close on this pair, and 3e-3 overshot it (l→s 0.066 → 0.21 nats).
-        config = FitConfig(source=source, target=target, data="embedded:1000", steps=steps, n_train=n_train, n_val=n_val, lr=1e-3,
-                           eval_every=max(1, steps // 3), checkpoint_every=max(1, steps // 3))
+        quick = {} if steps is None else {"steps": steps, "eval_every": max(1, steps // 3), "checkpoint_every": max(1, steps // 3)}
+        config = FitConfig(source=source, target=target, **quick)
         fits.append(fit_flow(config, eval_limit=eval_limit, data_dir=data_dir, ruler_lengths=[128, 256]))
     db = refresh_duckdb()
     return {"fits": fits, "report": report_rows(db), "duckdb": str(db)}
