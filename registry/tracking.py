@@ -141,7 +141,37 @@ def use_tracking_store() -> str:
     import mlflow
 
     mlflow.set_tracking_uri(uri)
+    if _sqlite_file(uri) and uri not in _READY_SQLITE_STORES:
+        _create_sqlite_tables(uri)
     return uri
+
+
+# sqlite stores whose tables this process has seen created (the check runs once per process and store).
+_READY_SQLITE_STORES: set[str] = set()
+
+
+def _sqlite_file(uri: str) -> str | None:
+    """The database file of a `sqlite:///<path>` URI; None for other URIs and in-memory databases."""
+    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+    return path if path and path != ":memory:" else None
+
+
+def _create_sqlite_tables(uri: str) -> None:
+    """Create (or migrate) the tables of a sqlite store one process at a time.
+
+    MLflow creates them when a process first opens the store; two processes opening a new store at once both
+    run the migrations and one fails ("duplicate column name"). A lock beside the database file serialises
+    that first opening; later openings find every table and create nothing.
+    """
+    from mlflow import MlflowClient
+
+    from infra.locks import file_lock
+
+    with file_lock(Path(f"{_sqlite_file(uri)}.lock"), f"creating the tracking store {uri}"):
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)  # the tracking tables
+        client.search_registered_models(max_results=1)  # the model registry's (same database)
+    _READY_SQLITE_STORES.add(uri)
 
 
 def tracking_client():
@@ -379,12 +409,13 @@ def _log_fit_artifacts(client, run_id: str, summary: Mapping[str, Any], config: 
 
 
 def r2_table_csv(r2_per_layer: Mapping[str, list[float]]) -> str:
-    """CSV `target_layer,keys,values` of the held-out R² per target layer."""
-    keys, values = r2_per_layer.get("keys", []), r2_per_layer.get("values", [])
-    lines = ["target_layer,keys,values"]
-    for layer in range(max(len(keys), len(values))):
-        cells = [f"{side[layer]!r}" if layer < len(side) else "" for side in (keys, values)]
-        lines.append(f"{layer},{cells[0]},{cells[1]}")
+    """CSV `target_layer,keys,values` (one column per cache object) of the held-out R² per target layer."""
+    names = list(r2_per_layer)
+    columns = [r2_per_layer[name] for name in names]
+    lines = ["target_layer," + ",".join(names)]
+    for layer in range(max((len(column) for column in columns), default=0)):
+        cells = [f"{column[layer]!r}" if layer < len(column) else "" for column in columns]
+        lines.append(f"{layer}," + ",".join(cells))
     return "\n".join(lines) + "\n"
 
 
