@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,13 +228,17 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
     accumulate_pair(stats, src, tgt, ((s.prefix_ids, s.continuation_ids) for s in samples), plan.config.point,
                     weighting=plan.config.weighting,
                     on_sample=(lambda _n: progress.advance(task)) if progress is not None else None)
-    tmp = store.with_name(store.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a process killed while saving
+    # A temporary directory of this process and thread: two fits of the same pair (threads of a Prefect flow, or
+    # a CLI fit beside a sweep) may finish the same shard at once. The content address makes their results
+    # identical, so whichever rename lands first wins and the other discards its copy.
+    tmp = store.with_name(f"{store.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     tmp.mkdir(parents=True)
     for name, object_stats in stats.items():
         object_stats.save(tmp / f"{name}.safetensors")
-    shutil.rmtree(store, ignore_errors=True)
-    os.replace(tmp, store)
+    try:
+        os.replace(tmp, store)
+    except OSError:  # the store directory exists and is not empty: another writer finished first
+        shutil.rmtree(tmp)
     return stats
 
 

@@ -19,6 +19,10 @@ OFFLINE_ENV = {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    # A tracking server that goes away mid-run: fail within about a minute instead of MLflow's default minutes
+    # of retries (the run's local artifacts stay in its run directory for a re-run to log).
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
     "TOKENIZERS_PARALLELISM": "false",
@@ -55,6 +59,14 @@ def stop_local_services() -> None:
     """
     import sys
 
+    if "prefect.logging.handlers" in sys.modules:
+        # Send the run logs and events still queued for the API while the server is up; otherwise their workers
+        # report "Error logging to API: All connection attempts failed" after it stops.
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=10)
+        EventsWorker.drain_all(timeout=10)
     if "prefect.server.api.server" in sys.modules:
         from prefect.server.api.server import SubprocessASGIServer
 

@@ -279,11 +279,32 @@ def sha256_file(path: Path) -> str:
 
 
 def _dir_fingerprint(path: Path) -> str:
-    """Hash of config.json plus the names and sizes of weight files (hashing GBs of weights per load is too slow)."""
+    """Hash of config.json plus the content hash of every weight file: a rebuild with other weights of the same
+    shapes is another model (it must not inherit the old model's sweep cells or checkpoints)."""
     h = hashlib.sha256((path / "config.json").read_bytes())
     for weights in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
-        h.update(f"{weights.name}:{weights.stat().st_size}".encode())
+        h.update(f"{weights.name}:{file_sha256(weights)}".encode())
     return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, cached under KVLINGO_HOME by (absolute path, size, mtime): hashing GBs of
+    weights on every load is too slow, and a rewritten file changes its size or mtime."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    cache_file = kvlingo_home() / "cache" / "file_sha256.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    if key not in cache:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        cache[key] = h.hexdigest()
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")  # atomic: concurrent loads may write
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    return cache[key]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
