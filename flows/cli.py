@@ -276,7 +276,7 @@ def bench_speed(
     The source's capture is not timed (it already holds its cache). Also reports peak memory, decoding speed
     after each path and the FLOP-model ratio.
     """
-    from flows.bench import parse_lengths, run_speed
+    from tasks.bench_speed import parse_lengths, run_speed
     from infra.config import SpeedBenchConfig, load_config
 
     try:
@@ -304,7 +304,7 @@ def bench_step(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
     """One stage-2 distillation step beside one plain forward+backward of the target on the same tokens."""
-    from flows.bench_step import run_step_bench
+    from tasks.bench_step import run_step_bench
 
     try:
         result = run_step_bench(source, target, prefix_tokens=prefix_tokens, continuation_tokens=continuation_tokens,
@@ -340,7 +340,7 @@ def bench_multiturn(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
     """Alternating hand-offs: per-turn recall under re-prefill, segment-wise and naive translation."""
-    from flows.multiturn import run_multiturn
+    from tasks.multiturn import run_multiturn
 
     try:
         result = run_multiturn(model_a, model_b, stage=stage, fit_dir_ab=fit_dir_ab, fit_dir_ba=fit_dir_ba,
@@ -402,7 +402,7 @@ def eval_command(
     any pair with a fit (or --translator) can be evaluated out of the box; the benchmarks are listed in the
     README and in evals/benchmarks/ (one module each).
     """
-    from flows.evaluate import EvalConfig, run_eval
+    from tasks.evaluate import EvalConfig, run_eval
     from infra.config import load_config
 
     try:

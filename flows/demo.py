@@ -13,8 +13,9 @@ from typing import Any
 
 
 def run_demo(*, steps: int | None = None, eval_limit: int = 6, data_dir: Path | None = None) -> dict[str, Any]:
-    from flows.pipeline import demo_flow
+    from flows.pipeline import demo_flow, start_local_prefect_api
     from registry.tracking import use_tracking_store
 
     use_tracking_store()  # fail fast on an unreachable tracking server, before any compute
+    start_local_prefect_api()
     return demo_flow(steps=steps, eval_limit=eval_limit, data_dir=data_dir)

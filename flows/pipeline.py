@@ -13,11 +13,10 @@ from typing import Any
 
 from prefect import flow
 
-from flows.evaluate import EvalConfig
 from infra.config import FitConfig
 from infra.fingerprint import fingerprint
-from tasks.evaluate import eval_task
-from tasks.fit import closed_form_task, distill_task, gram_shard_task, plan_task
+from tasks.evaluate import EvalConfig
+from tasks.prefect_tasks import closed_form_task, distill_task, eval_task, gram_shard_task, plan_task
 from tasks.track import finished_cell_task, log_run_task, register_task
 
 

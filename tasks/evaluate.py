@@ -1,13 +1,220 @@
-"""Prefect task running the benchmark suite (thin call into flows.evaluate)."""
+"""The benchmark suite: the same items scored under every condition, so every delta is paired.
+
+Benchmarks come from the registry in `evals/benchmarks/` (one module per benchmark: its spec and per-item
+runner); adding a benchmark is adding a module there, and preflight, this loop, the fit flow and the README
+table pick it up. Without `--data-dir` the default suite is `data_free` (works on every pair); with one it is
+`quick` (the data-free benchmarks plus the local-file ones).
+
+Conditions: `target_native`, `source_native`, `empty_prefix` (the floor: the target reads nothing of the
+context but its last token), and one translated condition per translator: `closed_form` and `distilled` from
+the pair's fit directory when present, plus any `--translator` (a path, a registry URI, or `identity` for a
+model translated into itself). Translated and empty-prefix rows carry the paired bootstrap CI of
+(condition − target_native) on the same items: every benchmark returns each condition's scores keyed by item
+id, and the pairing keeps the ids both conditions scored (a condition may fail an item the other scored).
+
+Composition only: items, metrics and conditions live in evals/, the numerics in translators/.
+"""
 
 from __future__ import annotations
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from translators.errors import ConfigError
+
+# Conditions whose rows are not paired against target_native (a different model answers).
+UNPAIRED = ("target_native", "source_native")
 
 
-@task(name="benchmark-suite", cache_policy=NO_CACHE)
-def eval_task(config) -> dict:
-    from flows.evaluate import run_eval
+class EvalConfig(BaseModel):
+    """`kvlingo eval`: which pair, which benchmarks, which translators, how many items."""
 
-    return run_eval(config)
+    model_config = ConfigDict(extra="forbid")
+
+    source: str
+    target: str
+    suite: Literal["data_free", "quick", "full"] | None = Field(
+        None, description="default: data_free without data_dir, quick with it")
+    benchmarks: list[str] | None = Field(None, description="run only these benchmarks (any registered name)")
+    translators: list[str] = Field(default_factory=list, description="paths, models:/ URIs, or 'identity'")
+    fit_dir: Path | None = Field(None, description="where closed_form/ and distilled/ are; default the pair's latest fit")
+    limit: int = Field(8, ge=1, description="items per benchmark (per length for RULER)")
+    data_dir: Path | None = Field(None, description="local benchmark files (MMLU-Pro, ARC, GSM8K, XQuAD, RULER essays, MT-Bench)")
+    ruler_lengths: list[int] = Field(default_factory=lambda: [256, 512])
+    max_new_tokens: int = Field(24, ge=1)
+    judge_url: str | None = Field(None, description="OpenAI-compatible endpoint for the MT-Bench judge")
+    judge_model: str | None = Field(None, description="judge model name at the endpoint, or a zoo model for a local judge")
+    seed: int = 0
+
+    def suite_name(self) -> str:
+        from evals.benchmarks import default_suite
+
+        return self.suite or default_suite(self.data_dir)
+
+    def selected(self) -> list[str]:
+        """The benchmark names to run: --benchmark's, else the suite's (registry order)."""
+        from evals.benchmarks import suite
+
+        return list(self.benchmarks) if self.benchmarks else suite(self.suite_name())
+
+    def context(self, source=None, target=None):
+        """The runners' view of this config (models None during preflight)."""
+        from evals.benchmarks import BenchContext
+
+        return BenchContext(source=source, target=target, data_dir=Path(self.data_dir) if self.data_dir else None,
+                            seed=self.seed, max_new_tokens=self.max_new_tokens,
+                            options={"ruler_lengths": list(self.ruler_lengths), "judge_url": self.judge_url,
+                                     "judge_model": self.judge_model})
+
+
+def preflight(config: EvalConfig) -> list:
+    """Names, data files and benchmark settings, all checked before any model loads. Returns the specs to run.
+
+    Raises:
+        ConfigError: every problem at once (unknown benchmark with suggestions; a missing data file with where it
+        looked and how to get it; settings a benchmark needs).
+    """
+    from evals.benchmarks import all_specs, unknown_benchmark_message
+    from infra.zoo import pair_problems
+
+    problems = pair_problems(config.source, config.target)
+    specs = all_specs()
+    context = config.context()
+    chosen = []
+    for name in dict.fromkeys(config.selected()):
+        if name not in specs:
+            problems.append(unknown_benchmark_message(name, list(specs)))
+            continue
+        spec = specs[name]
+        chosen.append(spec)
+        if spec.required_files and config.data_dir is None:
+            problems.append(f"{name} reads local files: pass --data-dir (a folder holding {spec.files_text()}), or "
+                            f"leave {name} out (the data_free suite needs no files)")
+        else:
+            for path in spec.missing_files(config.data_dir):
+                problems.append(f"{name}: missing {path}; put the benchmark's public file there (see the README "
+                                f"section on offline data) or leave {name} out (--benchmark NAME picks benchmarks)")
+        if spec.check is not None:
+            problems += [p for p in spec.check(context) if p not in problems]
+    if problems:
+        raise ConfigError("cannot start the evaluation:\n  " + "\n  ".join(problems))
+    return chosen
+
+
+# -- conditions ------------------------------------------------------------------------------------------------
+def _latest_fit_or_pair_dir(source: str, target: str) -> Path:
+    """The newest finished fit of the pair, else the pair's runs folder (which then holds no artifact)."""
+    from infra.rundirs import latest_fit_dir, pair_runs_dir
+
+    try:
+        return latest_fit_dir(source, target)
+    except ConfigError:
+        return pair_runs_dir(source, target)
+
+
+def build_conditions(config: EvalConfig, source, target) -> dict[str, Any]:
+    """Condition name → evals.conditions.Condition (translators verified against the loaded pair)."""
+    from evals.conditions import empty_prefix, source_native, target_native, translated
+    from infra.pairs import load_for_pair
+    from registry.translator_ref import load_translator_ref, parse_translator_ref
+    from translators.stage1 import Side
+
+    src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
+    conditions = {"target_native": target_native(tgt), "source_native": source_native(src),
+                  "empty_prefix": empty_prefix(tgt)}
+    anchors = len(conditions)
+    fit_dir = Path(config.fit_dir) if config.fit_dir else _latest_fit_or_pair_dir(source.name, target.name)
+    for stage in ("closed_form", "distilled"):
+        if (fit_dir / stage / "manifest.json").is_file():
+            conditions[stage] = translated(src, tgt, load_for_pair(fit_dir / stage, source, target))
+    for ref in map(parse_translator_ref, config.translators):  # PATH | models:/NAME@ALIAS | identity
+        conditions[ref.label] = translated(src, tgt, load_translator_ref(ref, source, target))
+    if len(conditions) == anchors:
+        raise ConfigError(
+            f"no translator to evaluate: {fit_dir} holds no closed_form/ or distilled/ artifact. Run "
+            f"`kvlingo fit {source.name} {target.name}` first, or pass --translator PATH|URI|identity"
+        )
+    return conditions
+
+
+# -- rows ------------------------------------------------------------------------------------------------------
+ItemScores = dict[str, float]
+
+
+def rows_for(benchmark: str, per_condition: Mapping[str, ItemScores], extra: Mapping[str, dict] | None = None,
+             *, spec=None) -> list[dict[str, Any]]:
+    """Tidy rows; translated (and empty-prefix) conditions get the paired CI of (condition − target_native) over
+    the item ids both scored, aligned by id (when at least two are shared). With a spec, rows also say the metric
+    and its direction, and a spec with row_groups gives one row per group ("<benchmark>_<group>")."""
+    from evals.metrics import score_row
+
+    if spec is not None and spec.row_groups:
+        groups: dict[str, dict[str, ItemScores]] = {}
+        for name, items in per_condition.items():
+            for item, score in items.items():
+                group, sep, rest = str(item).partition("/")
+                group, rest = (group, rest) if sep else ("all", group)
+                groups.setdefault(group, {n: {} for n in per_condition})[name][rest] = score
+        order = sorted(groups, key=lambda g: (not g.isdigit(), int(g) if g.isdigit() else 0, g))
+        return [_tag(row, spec) for g in order for row in rows_for(f"{benchmark}_{g}", groups[g], extra)]
+    rows = []
+    native = per_condition.get("target_native")
+    for name, items in per_condition.items():
+        if len(items) == 0:
+            continue
+        paired = native is not None and name not in UNPAIRED and len(native.keys() & items.keys()) >= 2
+        row = score_row(benchmark, name, dict(items), native=dict(native) if paired else None).to_dict()
+        if extra and name in extra:
+            row["extra"] = {**row.get("extra", {}), **extra[name]}
+        rows.append(_tag(row, spec) if spec is not None else row)
+    return rows
+
+
+def _tag(row: dict[str, Any], spec) -> dict[str, Any]:
+    row["extra"] = {**row.get("extra", {}), "metric": spec.metric, "higher_is_better": spec.higher_is_better}
+    return row
+
+
+def score_benchmark(spec, context, conditions: Mapping[str, Any], limit: int) -> list[dict[str, Any]]:
+    """Run one benchmark under every condition and return its rows."""
+    per_condition: dict[str, ItemScores] = {}
+    extra: dict[str, dict] = {}
+    for name, condition in conditions.items():
+        scores = spec.run(context, condition, limit)
+        per_condition[name] = dict(scores)
+        if getattr(scores, "extra", None):
+            extra[name] = dict(scores.extra)
+    return rows_for(spec.name, per_condition, extra, spec=spec)
+
+
+def run_eval(config: EvalConfig, *, on_benchmark: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Score every selected benchmark under every condition. A benchmark that cannot run for an outside reason
+    (a judge endpoint that cannot be reached) is reported as an error entry; the others' results are kept."""
+    from evals.benchmarks import BenchmarkUnavailableError
+    from infra.pairs import check_same_tokenizer
+    from infra.zoo import load_model
+
+    specs = preflight(config)
+    source, target = load_model(config.source), load_model(config.target)
+    check_same_tokenizer(source, target)
+    conditions = build_conditions(config, source, target)
+    context = config.context(source, target)
+    rows: list[dict[str, Any]] = []
+    errors: list[dict[str, str]] = []
+    for spec in specs:
+        if on_benchmark:
+            on_benchmark(spec.name)
+        try:
+            rows += score_benchmark(spec, context, conditions, config.limit)
+        except BenchmarkUnavailableError as err:
+            errors.append({"benchmark": spec.name, "error": str(err)})
+    return {
+        "source": source.name, "target": target.name,
+        "suite": None if config.benchmarks else config.suite_name(),
+        "conditions": list(conditions),
+        "benchmarks": [{"name": s.name, "metric": s.metric, "higher_is_better": s.higher_is_better} for s in specs],
+        "rows": rows, "errors": errors,
+    }

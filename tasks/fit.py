@@ -1,54 +1,407 @@
-"""Prefect tasks of the fit and sweep flows: each one thin call into flows.fit / translators."""
+"""Units of work of the fit: plan (load pair, samples, fingerprint, run directory), Gram statistics per shard,
+closed-form solve with diagnostics and artifact, stage-2 distillation. Plain functions: flows/fit.py composes
+them in one process, flows/pipeline.py as Prefect tasks (tasks/prefect_tasks.py). The numerics live in
+translators/."""
 
 from __future__ import annotations
 
-from functools import lru_cache
+import functools
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from flows.fit import FitPlan, distill, merge_stats, plan_fit, shard_stats, solve_closed_form, stats_key
-from infra.config import FitConfig
-
-
-@lru_cache(maxsize=4)
-def cached_model(name: str):
-    """Frozen models are read-only: tasks of one flow run (threads of one process) share one copy."""
-    from infra.zoo import load_model
-
-    return load_model(name)
+from infra.config import FitConfig, dump_config
+from infra.data_manifest import build_manifest
+from infra.fingerprint import fingerprint, fingerprint_fields
+from infra.rundirs import run_dir
+from infra.settings import kvlingo_home
+from translators.errors import ConfigError
+from translators.objects import object_names
 
 
-@task(name="plan-fit", cache_policy=NO_CACHE)
-def plan_task(config: FitConfig) -> FitPlan:
-    return plan_fit(config, loader=cached_model)
+def preflight(config: FitConfig) -> None:
+    """Every check that needs no model, reported together.
+
+    Raises:
+        ConfigError: listing all problems found.
+    """
+    from infra.conversations import check_source
+    from infra.zoo import pair_problems
+    from translators.assignment import check_assignment_name
+
+    problems = pair_problems(config.source, config.target)
+    try:
+        check_assignment_name(config.assignment)
+    except ConfigError as err:
+        problems.append(f"assignment: {err}")
+    try:
+        check_source(config.data)
+    except ConfigError as err:
+        problems.append(f"data: {err}")
+    if problems:
+        raise ConfigError("cannot start the fit:\n  " + "\n  ".join(problems))
 
 
-def _shard_cache_key(context, parameters) -> str:
-    return "gram-" + stats_key(parameters["plan"], parameters["samples"])
+def progress_bars() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True),  # stdout is reserved for --json
+    )
 
 
-@task(name="gram-statistics", cache_key_fn=_shard_cache_key, persist_result=True, result_serializer="json")
-def gram_shard_task(plan: FitPlan, samples: list) -> str:
-    """Accumulate one shard's statistics; cached by a hash of the pair, the point, the candidates and the
-    shard's token ids (the statistics themselves live in kvlingo's content-addressed store)."""
-    shard_stats(plan, samples)
-    return stats_key(plan, samples)
+@dataclass
+class FitPlan:
+    """Everything a fit needs once models are loaded and samples are built (shared by the CLI and Prefect)."""
+
+    config: FitConfig
+    source: Any  # infra.zoo.LoadedModel
+    target: Any
+    train: list
+    val: list
+    candidates: dict[int, tuple[int, ...]]
+    out: Path
+    signatures: dict[str, Any]
+    data_manifest: dict[str, Any]  # infra.data_manifest.build_manifest of the train/val split
+    fingerprint_fields: dict[str, Any]  # infra.fingerprint.fingerprint_fields of the config, pair and data
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.fingerprint_fields)
+
+    def stage2_fields(self, config: FitConfig) -> dict[str, Any]:
+        """Fingerprint fields of one stage-2 run of this plan (a sweep cell or seed overrides lr and seed)."""
+        return {**self.fingerprint_fields, "config": fingerprint_fields(
+            config.model_dump(mode="json"), self.signatures, self.data_manifest["manifest_sha256"])["config"]}
+
+    @property
+    def sides(self):
+        from translators.stage1 import Side
+
+        return Side(self.source.model, self.source.layout), Side(self.target.model, self.target.layout)
+
+    @property
+    def val_pairs(self) -> list:
+        return [(s.prefix_ids, s.continuation_ids) for s in self.val]
 
 
-def load_shards(plan: FitPlan, shards: list[list]) -> dict:
-    return merge_stats([shard_stats(plan, shard) for shard in shards])
+def plan_fit(config: FitConfig, loader=None) -> FitPlan:
+    """Validate, load the pair (through `loader`, default infra.zoo.load_model), build and split samples.
+
+    Raises:
+        ConfigError (all problems at once), PairMismatchError (tokenizers), PrefixTooLongError, ModelUnavailableError.
+    """
+    from infra.conversations import load_conversations
+    from infra.pairs import check_same_tokenizer
+    from infra.samples import build_samples, check_prefix_lengths, split_by_conversation
+    from infra.zoo import load_model, model_signature
+    from translators.stage1 import candidate_layers
+
+    preflight(config)
+    loader = loader or load_model
+    torch.manual_seed(config.seed)
+    source, target = loader(config.source), loader(config.target)
+    check_same_tokenizer(source, target)
+    candidates = candidate_layers(source.layout, target.layout, config.assignment, config.nu)
+    corpus = load_conversations(config.data, limit=config.n_train + config.n_val, seed=config.seed)
+    samples = build_samples(
+        corpus,
+        target.tokenizer,
+        seed=config.seed,
+        max_prefix_tokens=config.max_prefix_tokens,
+        max_continuation_tokens=config.max_continuation_tokens,
+        # Plain-text windows (models without a chat template) use the same caps.
+        prefix_tokens=min(256, config.max_prefix_tokens),
+        continuation_tokens=config.max_continuation_tokens,
+    )
+    for loaded in (source, target):
+        check_prefix_lengths(samples, loaded.layout.max_positions, loaded.name)
+    train, val = split_by_conversation(samples, val_fraction=config.n_val / (config.n_train + config.n_val), seed=config.seed)
+    signatures = {"source": model_signature(source), "target": model_signature(target)}
+    manifest = build_manifest(corpus, train, val)
+    fields = fingerprint_fields(config.model_dump(mode="json"), signatures, manifest["manifest_sha256"])
+    out = Path(config.output_dir) if config.output_dir else run_dir(source.name, target.name, fingerprint(fields))
+    claim_run_dir(out, fields, resume=config.resume)
+    dump_config(config, out / "config.yaml")
+    (out / "data_manifest.json").write_text(json.dumps(manifest, indent=1))
+    return FitPlan(config, source, target, train, val, candidates, out, signatures, manifest, fields)
 
 
-@task(name="closed-form", cache_policy=NO_CACHE)
-def closed_form_task(plan: FitPlan, train_shards: list[list], val_shards: list[list]) -> tuple[Any, dict]:
-    return solve_closed_form(plan, load_shards(plan, train_shards), load_shards(plan, val_shards))
+def claim_run_dir(out: Path, fields: dict[str, Any], *, resume: bool) -> None:
+    """Make `out` this run's directory: refuse one that holds another run (unless `resume` is False, which
+    clears that run's checkpoints and results), then record the fingerprint.
+
+    Raises:
+        ConfigError: `out` holds a run with another fingerprint, naming the fields that differ.
+    """
+    from infra.fingerprint import describe_differences
+
+    record = out / "fingerprint.json"
+    if record.is_file():
+        old = json.loads(record.read_text())
+        if old["fingerprint"] != fingerprint(fields):
+            if resume:
+                raise ConfigError(
+                    f"{out} holds another run ({describe_differences(old['fields'], fields)}): its checkpoints and "
+                    "artifacts belong to that config. Drop --output-dir (each fingerprint gets its own directory), "
+                    "pick another one, or pass --no-resume to replace that run."
+                )
+    if not resume:
+        for name in ("checkpoints", "sweep", "closed_form", "distilled", "summary.json", "seeds"):
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"fingerprint": fingerprint(fields), "fields": fields}, indent=1, default=str))
 
 
-@task(name="distill", cache_policy=NO_CACHE)
-def distill_task(plan: FitPlan, closed_form, summary: dict, lr: float | None = None, seed: int | None = None,
-                 cell_dir: Path | None = None) -> tuple[Any, dict]:
-    """Stage 2; with workers > 1 this runs Ray Train inside the task."""
-    return distill(plan, closed_form, summary, lr=lr, seed=seed, cell_dir=cell_dir)
+def stats_key(plan: FitPlan, samples: list) -> str:
+    """Content address of the statistics of `samples` for this pair, point and candidate set."""
+    h = hashlib.sha256()
+    setup = [plan.signatures, plan.config.point, plan.config.weighting, sorted(plan.candidates.items())]
+    h.update(json.dumps(setup, sort_keys=True, default=str).encode())
+    for sample in samples:
+        h.update(sample.prefix_ids.numpy().tobytes())
+        if plan.config.weighting == "attention":  # the weights depend on the continuation too
+            h.update(b"+" + sample.continuation_ids.numpy().tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:24]
+
+
+# Training (and held-out) samples are accumulated in contiguous shards of this many samples, each stored under its
+# own content address: a fit killed during stage 1 loses at most the shard in progress, and a re-run reads the
+# finished shards back. The shard boundaries are a function of the sample list alone (not of the machine or of
+# how far an earlier attempt got), so the merged statistics — and the closed form — are bit-identical whether
+# the shards were computed in one go or across interruptions.
+STATS_SHARD_SIZE = 32
+
+
+def shard_samples(samples: list, size: int = STATS_SHARD_SIZE) -> list[list]:
+    """Contiguous shards of `size` samples (the last one may be shorter); none for an empty list.
+
+    Raises:
+        ConfigError: size < 1.
+    """
+    if size < 1:
+        raise ConfigError(f"a statistics shard holds at least one sample, got size {size}")
+    return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+
+def stats_store(plan: FitPlan, samples: list) -> Path:
+    """Where the statistics of `samples` live in the content-addressed store."""
+    return kvlingo_home() / "stats" / stats_key(plan, samples)
+
+
+def stats_stored(plan: FitPlan, samples: list) -> bool:
+    """True when the statistics of `samples` are already in the store (a finished shard)."""
+    store = stats_store(plan, samples)
+    return all((store / f"{name}.safetensors").is_file() for name in object_names(plan.target.layout))
+
+
+def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = "stage 1: statistics",
+                task=None) -> dict:
+    """Gram statistics of `samples`, read from the content-addressed store when already accumulated.
+
+    Progress goes to `task` of `progress` when given (one bar over several shards), else to a new task.
+    A shard is written to a temporary directory and renamed into place, so a killed process never leaves a
+    half-written shard under its final name.
+    """
+    from translators.gram import GramStats
+    from translators.stage1 import accumulate_pair, empty_stats
+
+    store = stats_store(plan, samples)
+    if stats_stored(plan, samples):
+        if progress is not None and task is not None:
+            progress.advance(task, len(samples))
+        return {name: GramStats.load(store / f"{name}.safetensors") for name in object_names(plan.target.layout)}
+    src, tgt = plan.sides
+    stats = empty_stats(plan.source.layout, plan.target.layout, plan.candidates)
+    if progress is not None and task is None:
+        task = progress.add_task(description, total=len(samples))
+    accumulate_pair(stats, src, tgt, ((s.prefix_ids, s.continuation_ids) for s in samples), plan.config.point,
+                    weighting=plan.config.weighting,
+                    on_sample=(lambda _n: progress.advance(task)) if progress is not None else None)
+    # A temporary directory of this process and thread: two fits of the same pair (threads of a Prefect flow, or
+    # a CLI fit beside a sweep) may finish the same shard at once. The content address makes their results
+    # identical, so whichever rename lands first wins and the other discards its copy.
+    tmp = store.with_name(f"{store.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    tmp.mkdir(parents=True)
+    for name, object_stats in stats.items():
+        object_stats.save(tmp / f"{name}.safetensors")
+    try:
+        os.replace(tmp, store)
+    except OSError:  # the store directory exists and is not empty: another writer finished first
+        shutil.rmtree(tmp)
+    return stats
+
+
+def sharded_stats(plan: FitPlan, samples: list, progress=None, description: str = "stage 1: statistics",
+                  size: int = STATS_SHARD_SIZE) -> tuple[dict, dict[str, int]]:
+    """Statistics of `samples` accumulated shard by shard (`shard_samples`), finished shards read from the
+    store, merged in shard order. Returns the statistics and {"shards", "reused", "computed"}.
+
+    Raises:
+        ConfigError: no samples.
+    """
+    shards = shard_samples(samples, size)
+    if not shards:
+        raise ConfigError(f"{description}: no samples to accumulate")
+    reused = sum(stats_stored(plan, shard) for shard in shards)
+    task = progress.add_task(description, total=len(samples)) if progress is not None else None
+    parts = [shard_stats(plan, shard, progress, description, task=task) for shard in shards]
+    return merge_stats(parts), {"shards": len(shards), "reused": reused, "computed": len(shards) - reused}
+
+
+def merge_stats(parts: list[dict]) -> dict:
+    """Partial statistics of disjoint shards sum exactly to the one-pass statistics."""
+    return {name: functools.reduce(lambda a, b: a.merge(b), [p[name] for p in parts]) for name in parts[0]}
+
+
+def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any, dict[str, Any]]:
+    """Assignment, closed-form maps, held-out R², validation KL beside the two controls; saves the artifact."""
+    from translators.artifact import save_translator
+    from translators.stage1 import assign_layers, heldout_r2, random_like, solve_translator, validation_kl
+
+    config = plan.config
+    src, tgt = plan.sides
+    assignment = assign_layers(stats, plan.source.layout, plan.target.layout, config.assignment, config.nu)
+    translator = solve_translator(
+        stats, assignment, plan.source.layout, plan.target.layout, config.point, ridge=config.ridge, head_wise=config.head_wise
+    )
+    r2 = heldout_r2(val_stats, translator)
+    pairs = plan.val_pairs
+    kl = {
+        "closed_form": validation_kl(src, tgt, pairs, translator),
+        "empty_prefix": validation_kl(src, tgt, pairs, None, condition="empty_prefix"),
+        "random_map": validation_kl(src, tgt, pairs, random_like(translator, seed=config.seed)),
+    }
+    summary = {
+        "source": plan.source.name,
+        "target": plan.target.name,
+        "stage": "closed_form",
+        "val_kl": {name: v.mean for name, v in kl.items()},
+        "val_kl_se": {name: v.se for name, v in kl.items()},
+        "first_token_kl": {name: v.first_token for name, v in kl.items()},
+        "r2": {name: sum(values) / len(values) for name, values in r2.items()},
+        "r2_per_layer": r2,
+        "assignment": {name: {str(t): list(s) for t, s in layers.items()} for name, layers in assignment.items()},
+        "n_train": len(plan.train),
+        "n_val": len(plan.val),
+        "train_tokens": stats["keys"].n_tokens,
+        # Fixed by the pair and candidate set, not by the data: the statistics hold sums, never design matrices.
+        "stats_mb": sum(t.numel() * t.element_size() for object_stats in stats.values()
+                        for part in (object_stats.xx, object_stats.xy, object_stats.yy) for t in part.values()) / 2**20,
+        "artifact": str(plan.out / "closed_form"),
+        "artifacts": {"closed_form": str(plan.out / "closed_form")},
+        "run_dir": str(plan.out),
+        "fingerprint": plan.fingerprint,
+        "data_manifest": {k: v for k, v in plan.data_manifest.items() if k not in ("train", "val")},
+    }
+    save_translator(
+        translator,
+        plan.out / "closed_form",
+        **plan.signatures,
+        fit={"stage": "closed_form", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "r2": summary["r2"],
+             "fingerprint": plan.fingerprint, "data_manifest": plan.data_manifest},
+    )
+    return translator, summary
+
+
+def distill(
+    plan: FitPlan, closed_form, summary: dict[str, Any], *, lr: float | None = None, seed: int | None = None,
+    cell_dir: Path | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Stage 2 from the closed-form maps; adds val_kl.distilled, steps and the history to the summary.
+
+    A sweep cell overrides the learning rate and seed and writes into its own `cell_dir` (its checkpoints make
+    a re-run of a finished cell free).
+    """
+    from translators.artifact import save_translator
+    from translators.stage1 import validation_kl
+
+    updates = {k: v for k, v in (("lr", lr), ("seed", seed)) if v is not None}
+    config = plan.config.model_copy(update=updates)
+    out = Path(cell_dir) if cell_dir else plan.out
+    src, tgt = plan.sides
+    fields = plan.stage2_fields(config)
+    distilled, history = _stage2(config, closed_form, src, tgt, plan.train, plan.val_pairs, fields, out)
+    final = validation_kl(src, tgt, plan.val_pairs, distilled)
+    summary = {**summary}
+    summary["val_kl"] = {**summary["val_kl"], "distilled": final.mean}
+    summary["val_kl_se"] = {**summary["val_kl_se"], "distilled": final.se}
+    summary["first_token_kl"] = {**summary["first_token_kl"], "distilled": final.first_token}
+    summary.update(stage="distilled", steps=config.steps, lr=config.lr, seed=config.seed, history=history,
+                   artifact=str(out / "distilled"), run_dir=str(out), fingerprint=fingerprint(fields))
+    summary["artifacts"] = {**summary["artifacts"], "distilled": str(out / "distilled")}
+    save_translator(
+        distilled,
+        out / "distilled",
+        **plan.signatures,
+        fit={"stage": "distilled", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "steps": config.steps,
+             "lr": config.lr, "fingerprint": fingerprint(fields), "data_manifest": plan.data_manifest},
+    )
+    return distilled, summary
+
+
+def distill_seeds(plan: FitPlan, closed_form, summary: dict[str, Any]) -> dict[str, Any]:
+    """Stage 2 once per seed of `config.seeds` (default: `config.seed` alone), all from the same closed form.
+
+    With several seeds each runs in `seeds/seed_<k>/`; the summary's val_kl.distilled is the seed mean, with
+    `val_kl_seed_sd` (sample SD over seeds, App. E.1) beside the item SE, and `by_seed` holds each seed's result.
+    The first seed's artifact is the run's distilled translator.
+    """
+    import statistics
+
+    seeds = plan.config.seeds or [plan.config.seed]
+    if len(seeds) == 1:
+        return distill(plan, closed_form, summary, seed=seeds[0])[1]
+    results = [distill(plan, closed_form, summary, seed=seed, cell_dir=plan.out / "seeds" / f"seed_{seed}")[1]
+               for seed in seeds]
+    kls = [r["val_kl"]["distilled"] for r in results]
+    merged = {**results[0], "run_dir": str(plan.out), "seeds": seeds, "fingerprint": plan.fingerprint}
+    merged["val_kl"] = {**results[0]["val_kl"], "distilled": statistics.fmean(kls)}
+    merged["val_kl_seed_sd"] = {"distilled": statistics.stdev(kls)}
+    merged["by_seed"] = {str(seed): {"val_kl": r["val_kl"]["distilled"], "val_kl_se": r["val_kl_se"]["distilled"],
+                                     "artifact": r["artifact"], "fingerprint": r["fingerprint"]}
+                         for seed, r in zip(seeds, results)}
+    return merged
+
+
+def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, run_signature: dict[str, Any], out: Path):
+    """Distil from a copy of the closed-form maps (which stay saved as the stage-1 baseline)."""
+    import copy
+
+    from tasks.distill import run_ray, run_single
+    from translators.distill import Objective
+    from translators.train import TrainSettings
+
+    settings = TrainSettings(
+        lr=config.lr,
+        steps=config.steps,
+        batch=config.batch,
+        eval_every=config.eval_every,
+        checkpoint_every=config.checkpoint_every,
+        seed=config.seed,
+        objective=Objective(config.objective, ce_weight=config.ce_weight),
+    )
+    train_pairs = [(s.prefix_ids, s.continuation_ids) for s in train]
+    translator = copy.deepcopy(closed_form)
+    checkpoints = out / "checkpoints"
+    if not config.resume:
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    if config.workers == 1:
+        with progress_bars() as progress:
+            task = progress.add_task("stage 2: distillation", total=config.steps)
+            return run_single(translator, src, tgt, train_pairs, val_pairs, settings, run_signature, checkpoints,
+                              report=lambda record: progress.update(task, completed=record["step"]))
+    return run_ray(translator, config.source, config.target, train_pairs, val_pairs, settings, run_signature,
+                   checkpoints, workers=config.workers, use_gpu=config.gpu, ray_address=config.ray_address)

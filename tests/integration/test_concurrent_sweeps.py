@@ -43,7 +43,7 @@ def sweep(tmp_path, monkeypatch) -> dict:
 
 def first_cell_lock(model: str, config: Path) -> Path:
     """The lock file of the sweep's first cell (lowest rate of the window, seed 0), as flows.pipeline names it."""
-    from flows.fit import plan_fit
+    from tasks.fit import plan_fit
     from infra.config import FitConfig
     from infra.fingerprint import fingerprint
     from infra.locks import lock_path

@@ -58,7 +58,7 @@ def test_report_lists_both_directions_and_stages(demo_home):
 def test_champions_reload_and_reproduce_their_logged_kl(demo_home, monkeypatch):
     home, env, result = demo_home
     monkeypatch.setenv("KVLINGO_HOME", str(home))
-    from flows.fit import plan_fit
+    from tasks.fit import plan_fit
     from infra.config import FitConfig
     from infra.zoo import load_model, model_signature
     from registry.tracking import load_translator_uri
@@ -78,7 +78,7 @@ def test_champions_reload_and_reproduce_their_logged_kl(demo_home, monkeypatch):
 def test_segment_handoff_stays_near_reprefill_and_translates_each_span_once(demo_home, monkeypatch):
     home, _, result = demo_home
     monkeypatch.setenv("KVLINGO_HOME", str(home))
-    from flows.multiturn import run_multiturn
+    from tasks.multiturn import run_multiturn
 
     (ab, ba) = (Path(fit["run_dir"]) for fit in result["fits"])
     out = run_multiturn("kvlingo-tiny-l", "kvlingo-tiny-s", fit_dir_ab=ab, fit_dir_ba=ba, n_conversations=4, turns=8)

@@ -1,7 +1,7 @@
 """Fault test (issue #11): a fit killed during Gram accumulation and re-run reuses the finished shards and yields
 a bit-identical closed form.
 
-`run_fit` accumulates the training set in contiguous shards of `flows.fit.STATS_SHARD_SIZE` samples, each
+`run_fit` accumulates the training set in contiguous shards of `tasks.fit.STATS_SHARD_SIZE` samples, each
 stored under its content address in KVLINGO_HOME/stats as soon as it is finished. The test runs
 `python -m flows.cli fit --stage1-only` in a subprocess on enough samples for three training shards, SIGKILLs
 it once the first shard is stored, re-runs it to completion and compares against an uninterrupted run in a
@@ -27,7 +27,7 @@ import yaml
 from safetensors.torch import load_file
 from tiny_configs import save_tiny_model_dir, words
 
-from flows.fit import STATS_SHARD_SIZE
+from tasks.fit import STATS_SHARD_SIZE
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_configs import noisy_identity, save_tiny_model_dir
 
-from flows.distill import run_ray, run_single
+from tasks.distill import run_ray, run_single
 from infra.zoo import load_model
 from translators.stage1 import Side
 from translators.train import TrainSettings

@@ -2,7 +2,7 @@
 of an uninterrupted run (in fact bit-identical: see test_ray_distill for why the drivers agree exactly).
 
 This file is also the subprocess: `python test_ray_faults.py MODEL_DIR CHECKPOINT_DIR RAY_TEMP_DIR` runs the
-stage-2 job below through `flows.distill.run_ray` (2 workers, one torch thread each) with its own local Ray
+stage-2 job below through `tasks.distill.run_ray` (2 workers, one torch thread each) with its own local Ray
 under RAY_TEMP_DIR. The test waits for its step-4 checkpoint, SIGKILLs one `RayTrainWorker` process among the
 subprocess's descendants (never another session's Ray), expects the job to fail, resumes it from the same
 checkpoint directory under the same run signature, and compares the final maps with an uninterrupted run.
@@ -52,7 +52,7 @@ def job(model_dir: str):
 
 
 def ray_job(model_dir: str, checkpoint_dir: Path):
-    from flows.distill import run_ray
+    from tasks.distill import run_ray
 
     translator, train, val, settings = job(model_dir)
     return run_ray(translator, model_dir, model_dir, train, val, settings, SIGNATURE, checkpoint_dir, workers=2,
@@ -84,7 +84,7 @@ def kill_all(procs) -> None:
 
 
 def test_killed_ray_worker_resumes_to_the_uninterrupted_result(tmp_path, kvlingo_home):
-    from flows.distill import run_single
+    from tasks.distill import run_single
     from infra.zoo import load_model
     from translators.stage1 import Side
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import evals.benchmarks
 from evals.benchmarks import SUITES, all_specs, default_suite, get, markdown_table, suite
 from flows.cli import app
-from flows.evaluate import EvalConfig, preflight, rows_for
+from tasks.evaluate import EvalConfig, preflight, rows_for
 from translators.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -269,7 +269,7 @@ def test_simple_evaluate_end_to_end_on_a_local_yaml(llama, tokenizer, tmp_path):
         expected.append(float(max(range(len(scores)), key=scores.__getitem__) == item["gold"]))
     assert result["acc"] == pytest.approx(sum(expected) / 4)
     assert [item["acc"] for item in sorted(result["items"], key=lambda i: i["doc_id"])] == expected
-    # flows.evaluate pairs conditions by doc id under the filter "none" for tasks without a filter list.
+    # tasks.evaluate pairs conditions by doc id under the filter "none" for tasks without a filter list.
     assert sorted(item["doc_id"] for item in result["items"]) == [0, 1, 2, 3]
     assert {item["filter"] for item in result["items"]} == {"none"}
 

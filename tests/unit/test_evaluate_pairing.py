@@ -13,7 +13,7 @@ import evals.lm_eval_tasks
 from evals.benchmarks import get
 from evals.benchmarks._lm_eval import lm_eval_item_scores
 from evals.metrics import paired_bootstrap_ci
-from flows.evaluate import EvalConfig, rows_for, score_benchmark
+from tasks.evaluate import EvalConfig, rows_for, score_benchmark
 from translators.errors import ConfigError
 
 TEMPLATES = [

@@ -6,7 +6,7 @@ import pytest
 from tiny_configs import save_tiny_model_dir, words
 
 from flows.fit import run_fit
-from flows.multiturn import run_multiturn
+from tasks.multiturn import run_multiturn
 from infra.config import FitConfig
 from translators.errors import ConfigError
 

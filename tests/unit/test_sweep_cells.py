@@ -65,7 +65,7 @@ def test_a_sweep_with_another_ridge_trains_again_and_a_repeat_trains_nothing(pai
 def test_a_rebuilt_model_of_the_same_name_trains_again(pair, kvlingo_home, tmp_path):
     from flows.pipeline import sweep_flow
     from registry.tracking import pair_name
-    from tasks.fit import cached_model
+    from tasks.prefect_tasks import cached_model
 
     model = str(save_tiny_model_dir("qwen3", tmp_path / "q"))
     pairs, name = [(model, model)], pair_name(model, model)
