@@ -49,7 +49,6 @@ VAL_SET_TAG = "kvlingo.val_set_hash"
 # Where a translator manifest's fit record holds that hash: fit["data_manifest"][VAL_SET_KEY]
 # (infra.data_manifest.build_manifest).
 VAL_SET_KEY = "val_set_sha256"
-ALIASES = ("candidate", "champion")
 STAGES = ("closed_form", "distilled")
 BENCH_FIELDS = ("score", "se", "n", "delta", "ci_low", "ci_high")
 KL_GROUPS = ("val_kl", "val_kl_se", "val_kl_seed_sd", "first_token_kl")  # seed SD: fits with several --seeds
@@ -140,7 +139,12 @@ def use_tracking_store() -> str:
     check_tracking_uri(uri)
     import mlflow
 
+    chosen_by_user = ENV_URI in os.environ
     mlflow.set_tracking_uri(uri)
+    if not chosen_by_user:
+        # MLflow exports the URI to the environment; left there it would pin every later call in this process
+        # to this store even after KVLINGO_HOME changes, as if the user had chosen it.
+        os.environ.pop(ENV_URI, None)
     if _sqlite_file(uri) and uri not in _READY_SQLITE_STORES:
         _create_sqlite_tables(uri)
     return uri
@@ -617,25 +621,6 @@ def _quiet_pickle_advice():
         yield
     finally:
         logger.removeFilter(keep)
-
-
-def set_alias(name: str, alias: str, version: int | str) -> None:
-    """Point alias `candidate` or `champion` of registered model `name` at `version`.
-
-    Raises:
-        ConfigError: another alias name.
-        RegistryError: the model or version does not exist.
-    """
-    if alias not in ALIASES:
-        raise ConfigError(f"alias {alias!r}: kvlingo uses {' and '.join(ALIASES)}")
-    client = tracking_client()
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.get_model_version(name, str(version))
-    except MlflowException as err:
-        raise RegistryError(f"registered model {name!r} has no version {version}: {err.message}") from err
-    client.set_registered_model_alias(name, alias, str(version))
 
 
 def promote_best(name: str) -> dict[str, Any]:

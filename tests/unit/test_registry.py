@@ -1,6 +1,7 @@
 """MLflow tracking, model registry and DuckDB summaries against a throwaway sqlite store."""
 
 import json
+import os
 import pickle
 import shutil
 import socket
@@ -22,7 +23,6 @@ from registry.tracking import (
     log_fit_run,
     log_translator_model,
     promote_best,
-    set_alias,
     tracking_uri,
     use_tracking_store,
 )
@@ -178,10 +178,6 @@ def test_register_alias_promote_and_load_back_bit_identical(store, tmp_path):
     assert client.get_model_version("a--b", "1").tags["val_kl"] == repr(0.40)
 
     assert promote_best("a--b") == {"name": "a--b", "version": 2, "val_kl": 0.25, "val_set_hash": None}
-    set_alias("a--b", "candidate", 1)
-    assert str(client.get_model_version_by_alias("a--b", "candidate").version) == "1"
-    with pytest.raises(ConfigError, match="candidate and champion"):
-        set_alias("a--b", "production", 1)
 
     expected = make_translator(1)
     loaded, manifest = load_translator_uri("models:/a--b@champion", source_sig=SRC, target_sig=TGT)
@@ -403,3 +399,17 @@ def test_report_gives_the_seed_sd_beside_the_item_se(store, tmp_path):
     assert sweep[2e-3]["mean_val_kl"] == pytest.approx(0.32)
     assert sweep[2e-3]["seed_sd_val_kl"] == pytest.approx(0.04 / 2 ** 0.5)  # sample SD of 0.30 and 0.34
     assert sweep[2e-3]["mean_item_se"] == pytest.approx(0.01) and sweep[2e-3]["n_runs"] == 2
+
+
+def test_the_default_store_follows_kvlingo_home_within_one_process(tmp_path, monkeypatch):
+    # MLflow exports the URI it is given; kvlingo's own default must not turn into a pinned user choice.
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from registry.tracking import tracking_uri, use_tracking_store
+
+    monkeypatch.setenv("KVLINGO_HOME", str(tmp_path / "a"))
+    assert use_tracking_store().startswith(f"sqlite:///{tmp_path / 'a'}")
+    monkeypatch.setenv("KVLINGO_HOME", str(tmp_path / "b"))
+    assert tracking_uri().startswith(f"sqlite:///{tmp_path / 'b'}") and "MLFLOW_TRACKING_URI" not in os.environ
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'user.db'}")  # a user's choice stays
+    assert use_tracking_store() == f"sqlite:///{tmp_path / 'user.db'}"
+    assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path / 'user.db'}"
