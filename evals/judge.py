@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import httpx
 
 from evals.errors import require_file
-from evals.metrics import mean_se, paired_by_id
+from evals.metrics import mean_se
 from translators.errors import ConfigError, PrefixTooLongError
 
 MT_BENCH_HELP = ("MT-Bench files (question.jsonl, judge_prompts.jsonl, reference_answer/gpt-4.jsonl) are in "
@@ -353,21 +353,3 @@ def _check_distinct_ids(items: Sequence[JudgeItem]) -> None:
     repeated = sorted(item_id for item_id, count in Counter(item.id for item in items).items() if count > 1)
     if repeated:
         raise ConfigError(f"judge items need distinct ids (conditions are paired by item id); repeated: {repeated}")
-
-
-def paired_ratings(a: Mapping[str, float | None],
-                   b: Mapping[str, float | None]) -> tuple[list[float], list[float]]:
-    """The items rated in both conditions, aligned by item id (sorted), as two lists for paired_bootstrap_ci.
-
-    An item unparseable (None) or absent in either condition is left out of both.
-
-    Raises:
-        ConfigError: an argument is not a mapping item id -> rating.
-    """
-    for name, ratings in (("a", a), ("b", b)):
-        if not isinstance(ratings, Mapping):
-            raise ConfigError(f"ratings {name} must map item id -> rating, got {type(ratings).__name__}")
-    parsed_a = {item_id: r for item_id, r in a.items() if r is not None}
-    parsed_b = {item_id: r for item_id, r in b.items() if r is not None}
-    _, xs, ys = paired_by_id(parsed_a, parsed_b)
-    return xs.tolist(), ys.tolist()

@@ -1,9 +1,8 @@
-"""Per-item scores and their aggregation: token F1, exact match, gold-in-answer, accuracy, standard errors,
-pooling over disjoint subsets, paired bootstrap confidence intervals, perplexity, and the JSON score row.
+"""Per-item scores and their aggregation: token F1, exact match, gold-in-answer, standard errors, paired
+bootstrap confidence intervals, and the JSON score row.
 
 Error bars follow KV-Lingo App. E.1: the standard error of a score over its evaluation items (sample standard
-deviation / sqrt(n)); a score averaged over disjoint item sets combines its parts' standard errors as
-sqrt(sum_j w_j^2 se_j^2). Paired differences follow the second paper (§4): a percentile bootstrap over items
+deviation / sqrt(n)). Paired differences follow the second paper (§4): a percentile bootstrap over items
 (10,000 resamples, 95% CI) of the mean per-item difference between two conditions on the same items.
 
 A condition's per-item scores are keyed by item id (`ItemScores`, item id -> score): a condition may fail an
@@ -107,30 +106,6 @@ def gold_in_answer(prediction: str, gold: str | Sequence[str]) -> float:
     return 0.0
 
 
-def correct(predictions: Sequence[Any], golds: Sequence[Any]) -> np.ndarray:
-    """Per-item 0/1 correctness of predicted labels against gold labels (e.g. multiple-choice letters): [n].
-
-    Labels are compared after str() and strip(), case-sensitively (a parse failure should be None, which never
-    matches).
-
-    Raises:
-        ConfigError: the two sequences differ in length.
-    """
-    if len(predictions) != len(golds):
-        raise ConfigError(f"{len(predictions)} predictions for {len(golds)} gold labels: they must pair up")
-    return np.array([float(p is not None and str(p).strip() == str(g).strip())
-                     for p, g in zip(predictions, golds)])
-
-
-def accuracy(predictions: Sequence[Any], golds: Sequence[Any]) -> tuple[float, float]:
-    """(accuracy, standard error) of predicted labels against gold labels.
-
-    Raises:
-        ConfigError: lengths differ or there are no items.
-    """
-    return mean_se(correct(predictions, golds))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Aggregation and error bars
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,62 +139,6 @@ def mean_se(values: Sequence[float] | np.ndarray) -> tuple[float, float]:
     if arr.size == 1:
         return float(arr[0]), 0.0
     return float(arr.mean()), float(arr.std(ddof=1) / math.sqrt(arr.size))
-
-
-def binomial_se(p: float, n: int) -> float:
-    """sqrt(p (1 - p) / n): the error bar of an accuracy known only as an aggregate (App. E.1).
-
-    Raises:
-        ConfigError: p outside [0, 1] or n < 1.
-    """
-    if not 0.0 <= p <= 1.0 or n < 1:
-        raise ConfigError(f"binomial_se needs 0 <= p <= 1 and n >= 1, got p={p}, n={n}")
-    return math.sqrt(p * (1.0 - p) / n)
-
-
-def combine_disjoint(
-    groups: Sequence[tuple[float, float, int]],
-    weights: str | Sequence[float] = "equal",
-) -> tuple[float, float, int]:
-    """Pool (mean, se, n) scores of disjoint item sets into one (mean, se, n).
-
-    KV-Lingo App. E.1: "A score averaged over disjoint item sets (MMLU-Pro over its 14 categories, RULER over
-    its rungs, a mean over benchmarks) combines the standard errors of its parts as sqrt(sum_j w_j^2 se_j^2)."
-    The mean is sum_j w_j mean_j; n is the total item count.
-
-    weights: "equal" (w_j = 1/k, a macro average, the paper's examples), "items" (w_j = n_j / N, the
-        item-weighted mean, whose se is sqrt(sum_j n_j^2 se_j^2) / N), or explicit weights summing to 1.
-
-    Raises:
-        ConfigError: no groups, a group that is not a (mean, se, n) triple, a group with n < 1 or a
-            negative/non-finite se, an unknown weighting, or explicit weights of the wrong length or not summing
-            to 1.
-    """
-    if not groups or any(len(g) != 3 for g in groups):
-        raise ConfigError(f"combine_disjoint needs one or more (mean, se, n) triples, got {list(groups)}")
-    means, ses, ns = (np.array(col, dtype=np.float64) for col in zip(*groups))
-    if np.any(ns < 1) or np.any(ses < 0) or not np.all(np.isfinite(np.concatenate([means, ses]))):
-        raise ConfigError(f"every group needs a finite mean, a finite se >= 0 and n >= 1, got {list(groups)}")
-    w = _group_weights(weights, ns)
-    return float(w @ means), float(math.sqrt(float((w**2) @ (ses**2)))), int(ns.sum())
-
-
-def _group_weights(weights: str | Sequence[float], ns: np.ndarray) -> np.ndarray:
-    """Weights w_j for combine_disjoint: [k].
-
-    Raises:
-        ConfigError: unknown name, wrong length, or weights not summing to 1.
-    """
-    if isinstance(weights, str):
-        if weights == "equal":
-            return np.full(ns.size, 1.0 / ns.size)
-        if weights == "items":
-            return ns / ns.sum()
-        raise ConfigError(f"unknown weighting {weights!r}: use 'equal', 'items' or a list of weights")
-    w = np.asarray(weights, dtype=np.float64).reshape(-1)
-    if w.size != ns.size or not math.isclose(float(w.sum()), 1.0, abs_tol=1e-9):
-        raise ConfigError(f"explicit weights must be {ns.size} numbers summing to 1, got {list(weights)}")
-    return w
 
 
 def paired_bootstrap_ci(
@@ -278,54 +197,6 @@ def _check_item_scores(scores: Any, name: str) -> None:
     if not isinstance(scores, Mapping):
         raise ConfigError(f"{name} must map item id -> score so conditions pair up by item, got "
                           f"{type(scores).__name__}")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Per-token quantities: NLL, perplexity, KL
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def perplexity(nll_per_token: Sequence[float] | np.ndarray) -> float:
-    """exp(mean NLL in nats) over all tokens given: [n_tokens] -> scalar.
-
-    Concatenate the tokens of several sequences for a token-weighted corpus perplexity.
-
-    Raises:
-        ConfigError: no tokens, or NaN/Inf.
-    """
-    return float(math.exp(_as_scores(nll_per_token, "nll_per_token").mean()))
-
-
-def per_item_means(per_token: Sequence[Sequence[float] | np.ndarray]) -> np.ndarray:
-    """Mean of each item's per-token values (e.g. KL or NLL per continuation token): list of [m_i] -> [n_items].
-
-    This is the per-item score whose mean_se gives validation KL ± se, each conversation weighing one.
-
-    Raises:
-        ConfigError: no items, or an item with no tokens or NaN/Inf.
-    """
-    if len(per_token) == 0:
-        raise ConfigError("no items: per_item_means needs at least one per-token array")
-    return np.array([_as_scores(v, f"item {i}").mean() for i, v in enumerate(per_token)])
-
-
-def token_nll(logits: Any, targets: Any) -> np.ndarray:
-    """Negative log-likelihood (nats) of each target token under logits, computed in fp32: [m, vocab], [m] -> [m].
-
-    Accepts torch tensors or numpy arrays.
-
-    Raises:
-        ConfigError: shapes do not pair up.
-    """
-    import torch  # only this helper needs torch; keep the text metrics importable without it loaded
-
-    logits = torch.as_tensor(logits).float()
-    targets = torch.as_tensor(targets).long().reshape(-1)
-    if logits.ndim != 2 or logits.shape[0] != targets.numel():
-        raise ConfigError(f"token_nll needs logits [m, vocab] and targets [m], got {tuple(logits.shape)} and "
-                          f"{tuple(targets.shape)}")
-    logp = torch.log_softmax(logits, dim=-1)  # [m, vocab]
-    return (-logp.gather(1, targets[:, None])[:, 0]).detach().cpu().numpy().astype(np.float64)
 
 
 # ---------------------------------------------------------------------------------------------------------------

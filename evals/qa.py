@@ -1,8 +1,7 @@
 """Grounded multi-turn QA in the CoQA style: a passage and a run of questions about it, scored per turn by token
 F1 and gold-in-answer (KV-Lingo App. D, Table 4).
 
-Sources: XQuAD (SQuAD v1.1 format; each paragraph with its questions becomes one conversation) and, when a file
-is given, the CoQA dev set (data[].story with questions[]/answers[] aligned by turn_id).
+Source: XQuAD (SQuAD v1.1 format; each paragraph with its questions becomes one conversation).
 The first user turn carries the passage and the first question; later user turns carry one question each.
 """
 
@@ -20,8 +19,6 @@ from translators.errors import ConfigError
 
 XQUAD_HELP = ("Get XQuAD from the deepmind/xquad GitHub repository (https://github.com/deepmind/xquad, files "
               "xquad.<lang>.json) and pass the file's path.")
-COQA_HELP = ("Get the CoQA dev set (coqa-dev-v1.0.json) from https://stanfordnlp.github.io/coqa/ and pass the "
-             "file's path.")
 INSTRUCTION = "Answer the questions about the passage below briefly, in a few words."
 
 
@@ -72,17 +69,6 @@ def chat_messages(conv: QAConversation, answers: Sequence[str]) -> list[dict[str
 def score_turn(prediction: str, turn: QATurn) -> dict[str, float]:
     """{"f1": token F1, "gold_in_answer": 0/1} of one answer against the turn's golds (max over golds)."""
     return {"f1": token_f1(prediction, turn.golds), "gold_in_answer": gold_in_answer(prediction, turn.golds)}
-
-
-def score_conversation(predictions: Sequence[str], conv: QAConversation) -> list[dict[str, float]]:
-    """score_turn for each turn of a conversation, in order.
-
-    Raises:
-        ConfigError: the number of predictions differs from the number of turns.
-    """
-    if len(predictions) != len(conv.turns):
-        raise ConfigError(f"conversation {conv.id}: {len(predictions)} answers for {len(conv.turns)} turns")
-    return [score_turn(p, t) for p, t in zip(predictions, conv.turns)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,42 +136,3 @@ def load_xquad(path: str | Path, limit: int | None = None, max_turns: int | None
     except (KeyError, TypeError) as exc:
         raise ConfigError(f"{path} does not follow the SQuAD v1.1 layout (missing {exc}). {XQUAD_HELP}") from exc
     return convs
-
-
-def load_coqa(path: str | Path, limit: int | None = None, max_turns: int | None = None) -> list[QAConversation]:
-    """A CoQA file (data[].story, questions[].input_text, answers[].input_text, optional additional_answers)
-    as conversations; each turn's golds are the main answer plus the additional answers of the same turn_id.
-
-    Raises:
-        DataNotFoundError: the file is missing (says where it looked and how to get CoQA).
-        ConfigError: the file does not follow the CoQA layout, or limit/max_turns < 1.
-    """
-    _check_limits(limit, max_turns)
-    doc = _read_json(path, "CoQA file", COQA_HELP)
-    convs: list[QAConversation] = []
-    try:
-        for record in doc["data"][:limit]:
-            convs.append(_coqa_conversation(record, max_turns))
-    except (KeyError, TypeError) as exc:
-        raise ConfigError(f"{path} does not follow the CoQA layout (missing {exc}). {COQA_HELP}") from exc
-    return convs
-
-
-def _coqa_conversation(record: dict[str, Any], max_turns: int | None) -> QAConversation:
-    """One CoQA record as a conversation (turns ordered by turn_id).
-
-    Raises:
-        ConfigError: a turn has no answer text.
-        KeyError, TypeError: the record lacks CoQA fields (load_coqa turns these into ConfigError).
-    """
-    golds: dict[int, list[str]] = {}
-    answer_lists = [record["answers"], *record.get("additional_answers", {}).values()]
-    for answers in answer_lists:
-        for a in answers:
-            golds.setdefault(int(a["turn_id"]), []).append(a["input_text"])
-    questions = sorted(record["questions"], key=lambda q: int(q["turn_id"]))
-    turns = [QATurn(q["input_text"].strip(), _unique(golds.get(int(q["turn_id"]), []))) for q in questions]
-    missing = [i + 1 for i, t in enumerate(turns) if not t.golds]
-    if missing:
-        raise ConfigError(f"CoQA record {record.get('id')!r}: turns {missing} have no answer text to score against")
-    return QAConversation(str(record.get("id", "")), record["story"], tuple(turns[:max_turns]))

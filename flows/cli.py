@@ -492,18 +492,14 @@ def sweep(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
     """Learning-rate sweep (App. E) as the `kvlingo-sweep` Prefect flow; re-running reuses finished cells."""
-    import yaml
-
     from flows.pipeline import start_local_prefect_api, sweep_flow
-    from infra.config import FitConfig, load_config
+    from infra.config import FitConfig, load_config, read_config_file
     from registry.tracking import use_tracking_store
     from translators.lr_selection import initial_rates
 
     try:
         seed_list = parse_seeds(seeds)
-        base = yaml.safe_load(config.read_text()) if config else {}
-        if steps is not None:
-            base["steps"] = steps
+        base = sweep_base(read_config_file(config) if config else {}, steps)
         load_config(FitConfig, None, {**base, "source": source, "target": target})  # validate before compute
         initial_rates(centre_lr, n_rates)
         use_tracking_store()
@@ -520,6 +516,16 @@ def sweep(
         for lr, kl in cell["val_kl_by_lr"].items():
             table.add_row(lr, f"{kl:.4f}")
         Console().print(table)
+
+
+def sweep_base(values: dict, steps: int | None) -> dict:
+    """The FitConfig fields every sweep cell shares: the config file's, with --steps over its `steps`. The pair
+    comes from the command line (SOURCE TARGET, each direction in turn), so a `source` or `target` in the file
+    is dropped, as `kvlingo fit`'s arguments override the file's."""
+    base = {k: v for k, v in values.items() if k not in ("source", "target")}
+    if steps is not None:
+        base["steps"] = steps
+    return base
 
 
 def main() -> None:

@@ -88,16 +88,9 @@ def load_config(model: type[BaseModel], yaml_path: Path | None, overrides: dict[
     """Build a config from defaults, an optional YAML file, then CLI overrides (None = not given).
 
     Raises:
-        ConfigError: listing every invalid or unknown field at once.
+        ConfigError: listing every invalid or unknown field at once, or a YAML file `read_config_file` refuses.
     """
-    values: dict[str, Any] = {}
-    if yaml_path is not None:
-        if not Path(yaml_path).is_file():
-            raise ConfigError(f"config file {yaml_path} does not exist")
-        loaded = yaml.safe_load(Path(yaml_path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{yaml_path} must hold a mapping of config keys, got {type(loaded).__name__}")
-        values.update(loaded)
+    values: dict[str, Any] = read_config_file(yaml_path) if yaml_path is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return model.model_validate(values)
@@ -105,6 +98,31 @@ def load_config(model: type[BaseModel], yaml_path: Path | None, overrides: dict[
         problems = [f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg'].removeprefix('Value error, ')}"
                     for e in err.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None
+
+
+def read_config_file(path: Path | str) -> dict[str, Any]:
+    """The mapping of config keys in a YAML file (an empty file is an empty mapping).
+
+    Raises:
+        ConfigError: the file does not exist, cannot be read, is not valid YAML, or holds something other than a
+            mapping (e.g. a list).
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise ConfigError(f"config file {path} {what}: pass the path of a YAML file of config keys")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path} cannot be read: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of config keys (key: value lines), got a "
+                          f"{type(loaded).__name__}")
+    return loaded
 
 
 def dump_config(config: BaseModel, path: Path) -> None:

@@ -25,9 +25,9 @@ from registry.errors import RegistryError
 from registry.tracking import artifact_root, is_server_uri, tracking_uri, use_tracking_store
 
 LOOPBACK = "127.0.0.1"
-DEFAULT_PORT = 5000
 STARTUP_TIMEOUT_S = 120.0
 STOP_GRACE_S = 10.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops `serve_forever` cleanly
 
 
 @dataclass(frozen=True)
@@ -195,32 +195,41 @@ def _wait_gone(process: subprocess.Popen, pgid: int, timeout: float) -> bool:
     return not group_alive(pgid)
 
 
-def raise_keyboard_interrupt(signum, frame) -> None:
-    """Signal handler: turn SIGTERM/SIGHUP into KeyboardInterrupt so `serve_ui` cleans up as on Ctrl-C."""
-    raise KeyboardInterrupt
+class StopRequest:
+    """Signal handler for STOP_SIGNALS: records the request, then raises KeyboardInterrupt so `serve_ui` cleans up
+    as on Ctrl-C. Python drops an exception raised while a finalizer or weakref callback runs (the signal may land
+    in one), so the serving loop also checks `requested`: no stop request is ever lost."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum, frame) -> None:
+        self.requested = True
+        raise KeyboardInterrupt
 
 
 def serve_forever(port: int | None, host: str, on_ready) -> int:
     """Run the UI until Ctrl-C, SIGTERM or SIGHUP (exit code 0) or until the server dies (exit code 1).
 
-    `on_ready(server)` is called once it answers (e.g. to print the address).
+    `on_ready(server)` is called once it answers (e.g. to print the address). Call from the main thread (signal
+    handlers are installed there, and restored on return).
 
     Raises:
         RegistryError, TrackingUnavailableError: see :func:`serve_ui`.
     """
-    previous = {sig: signal.signal(sig, raise_keyboard_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    stop = StopRequest()
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
     try:
         with serve_ui(port, host) as server:
             on_ready(server)
             try:
-                while server.process.poll() is None:
+                while server.process.poll() is None and not stop.requested:
                     time.sleep(0.5)
             except KeyboardInterrupt:
                 return 0
-            return 1
+            return 0 if stop.requested else 1
     except KeyboardInterrupt:  # interrupted while starting: serve_ui has stopped the group already
         return 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-

@@ -13,8 +13,6 @@ import operator
 from fractions import Fraction
 from typing import Hashable, Sequence
 
-import torch
-
 from translators.errors import ConfigError
 from translators.gram import GramStats
 from translators.solve import fit_block, relative_residual
@@ -259,32 +257,3 @@ def r2_assignment(stats: GramStats, nu: int) -> Assignment:
         ranked = sorted(r2, key=lambda s: (-r2[s], s))
         out[t] = tuple(ranked[:nu])
     return out
-
-
-def r2_table(stats: GramStats, *, n_src: int | None = None, n_tgt: int | None = None) -> torch.Tensor:
-    """Single-layer R^2 for every (target, candidate source) pair, e.g. for heat maps.
-
-    Args:
-        stats: statistics of one side.
-        n_src, n_tgt: table size; default one past the largest layer in the candidates.
-
-    Returns:
-        [n_tgt, n_src] fp64, NaN where the source layer is not a candidate of the target.
-
-    Raises:
-        ConfigError: a table size smaller than the layers present.
-    """
-    need_src = max(stats.source_layers) + 1
-    need_tgt = max(stats.target_layers) + 1
-    n_src = need_src if n_src is None else _check_count(n_src, "n_src")
-    n_tgt = need_tgt if n_tgt is None else _check_count(n_tgt, "n_tgt")
-    if n_src < need_src or n_tgt < need_tgt:
-        raise ConfigError(
-            f"table size [{n_tgt}, {n_src}] is too small for layers up to target {need_tgt - 1}, "
-            f"source {need_src - 1}"
-        )
-    table = torch.full((n_tgt, n_src), math.nan, dtype=torch.float64)
-    for t in stats.candidates:
-        for s, v in _single_layer_r2(stats, t).items():
-            table[t, s] = v
-    return table

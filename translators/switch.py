@@ -42,7 +42,7 @@ DEFAULT_POINT = "pre_norm"
 class SwitchResult:
     """One generation after a switch (or on a reference path) and where its time went."""
 
-    path: str  # "switch" | "reprefill" | "native"
+    path: str  # "switch" | "reprefill"
     token_ids: list[int]  # generated tokens, a final stop id included
     text: str | None  # decoded generation when a tokenizer was given
     n_prefix: int  # n
@@ -275,17 +275,6 @@ def switch_generate(
         first_step_s = time.perf_counter() - t0
         decoded = decode_from(target.model, cache, logits, settings)
     return _result("switch", decoded, tokenizer, ids, k, translate_s, first_step_s)
-
-
-def native_generate(
-    model: Side, prefix_ids: torch.Tensor | Sequence[int], settings: GenerationSettings | None = None, *, tokenizer: Any = None
-) -> SwitchResult:
-    """The model prefills x_{1:n} itself and generates (no switch): the native anchor of either model.
-
-    Raises:
-        ConfigError: empty prefix or budget ≤ 0. PrefixTooLongError: beyond the model's positions.
-    """
-    return _prefill_generate("native", model, prefix_ids, settings, tokenizer)
 
 
 def reprefill_generate(

@@ -18,7 +18,8 @@ from translators.errors import ConfigError, KvlingoError
 SUITES = ("data_free", "quick", "full")
 SUITE_HELP = {
     "data_free": "needs no files: runs on every pair out of the box (the default without --data-dir)",
-    "quick": "the data-free suite plus RULER noise and the local-file benchmarks (the default with --data-dir)",
+    "quick": "the data-free suite plus RULER noise, switch quality and the local-file benchmarks (the default with "
+             "--data-dir)",
     "full": "everything, including the RULER essay haystack and the MT-Bench judge",
 }
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")

@@ -24,12 +24,13 @@ def run(*args):
 
 def test_identity_translation_equals_native_on_every_metric(qwen_dir, kvlingo_home):
     result = run(qwen_dir, qwen_dir, "--translator", "identity", "--limit", "3", "--benchmark", "corpus_kl",
-                 "--benchmark", "recall", "--benchmark", "ruler_noise", "--ruler-lengths", "24,40")
+                 "--benchmark", "recall", "--benchmark", "ruler_noise", "--ruler-lengths", "24,40",
+                 "--benchmark", "switch_quality")
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
     rows = {(r["benchmark"], r["condition"]): r for r in out["rows"]}
     benchmarks = {b for b, _ in rows}
-    assert benchmarks == {"corpus_kl", "recall", "ruler_noise_24", "ruler_noise_40"}
+    assert benchmarks == {"corpus_kl", "recall", "ruler_noise_24", "ruler_noise_40", "switch_quality"}
     for bench in benchmarks:
         native, identity = rows[(bench, "target_native")], rows[(bench, "identity")]
         for key in ("benchmark", "condition", "score", "se", "n"):
@@ -38,6 +39,7 @@ def test_identity_translation_equals_native_on_every_metric(qwen_dir, kvlingo_ho
         assert identity["score"] == pytest.approx(native["score"], abs=1e-6)
         assert identity["ci_low"] is not None and identity["ci_high"] is not None
     assert rows[("corpus_kl", "identity")]["score"] <= 1e-6
+    assert rows[("switch_quality", "identity")]["score"] == 1.0  # the identity switch keeps the continuation
 
 
 def test_unknown_benchmark_and_missing_data_are_reported_before_loading(qwen_dir, kvlingo_home, tmp_path):

@@ -7,8 +7,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from evals.judge import (JudgeItem, JudgeUnavailableError, LocalHFJudge, OpenAICompatibleJudge, judge_answers,
-                         load_judge_templates, load_mt_bench_questions, mt_bench_items, paired_ratings,
-                         parse_rating, render_judge_prompt, strip_reasoning)
+                         load_judge_templates, load_mt_bench_questions, mt_bench_items, parse_rating,
+                         render_judge_prompt, strip_reasoning)
 from tiny_configs import tiny_model, tiny_tokenizer
 from translators.errors import ConfigError, PrefixTooLongError
 
@@ -109,21 +109,10 @@ def test_judge_answers_counts_unparseable(short_templates):
     assert result.scores() == {"1": 4.0, "3": 6.0} and result.verdicts["2"] == "no verdict"
     assert result.mean == 5.0 and result.se == pytest.approx(1.0)  # std([4, 6]) / sqrt(2)
     assert judge.prompts[2] == ("w1", "w2 q3 w4 r3 w3 a3")
-    assert paired_ratings(result.ratings, {"1": 5.0, "2": 5.0, "3": None}) == ([4.0], [5.0])
     with pytest.raises(ConfigError, match="no items"):
         judge_answers(judge, [], short_templates)
     with pytest.raises(ConfigError, match=r"distinct ids.*\['7'\]"):
         judge_answers(judge, [JudgeItem("q1", "a1", id="7"), JudgeItem("q2", "a2", id="7")], short_templates)
-
-
-def test_paired_ratings_align_by_item_id_when_conditions_fail_different_items():
-    # Condition a fails item 2, condition b fails item 5 (and lists item 9 that a never rated): the pairs are
-    # the items rated in both, matched by id whatever the order the ratings were recorded in.
-    a = {"1": 4.0, "2": None, "3": 6.0, "4": 7.0, "5": 8.0, "6": 3.0}
-    b = {"6": 5.0, "5": None, "4": 8.0, "3": 6.0, "2": 9.0, "1": 5.0, "9": 2.0}
-    assert paired_ratings(a, b) == ([4.0, 6.0, 7.0, 3.0], [5.0, 6.0, 8.0, 5.0])
-    with pytest.raises(ConfigError, match="item id"):
-        paired_ratings([4.0, None], [5.0, 5.0])
 
 
 # --- OpenAI-compatible endpoint -------------------------------------------------------------------------------

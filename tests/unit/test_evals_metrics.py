@@ -5,12 +5,10 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats
 
-from evals.metrics import (ScoreRow, accuracy, binomial_se, combine_disjoint, correct, exact_match, gold_in_answer,
-                           mean_se, normalize_answer, paired_bootstrap_ci, paired_by_id, per_item_means, perplexity,
-                           score_row, token_f1, token_nll)
+from evals.metrics import (ScoreRow, exact_match, gold_in_answer, mean_se, normalize_answer, paired_bootstrap_ci,
+                           paired_by_id, score_row, token_f1)
 from translators.errors import ConfigError
 
 # --- text answers ---------------------------------------------------------------------------------------------
@@ -52,15 +50,6 @@ def test_empty_gold_list_is_a_config_error():
             fn("x", [])
 
 
-def test_accuracy_with_parse_failures():
-    flags = correct(["A", " b", None, "D"], ["A", "b", "C", "C"])
-    assert flags.tolist() == [1.0, 1.0, 0.0, 0.0]
-    acc, se = accuracy(["A", " b", None, "D"], ["A", "b", "C", "C"])
-    assert acc == 0.5 and se == pytest.approx(np.std(flags, ddof=1) / 2)
-    with pytest.raises(ConfigError, match="pair up"):
-        correct(["A"], ["A", "B"])
-
-
 # --- standard errors ------------------------------------------------------------------------------------------
 
 
@@ -80,50 +69,6 @@ def test_mean_se_single_item_and_bad_input():
         mean_se([1.0, float("nan")])
     with pytest.raises(ConfigError, match="1-D"):
         mean_se([[1.0, 2.0]])
-
-
-def test_binomial_se():
-    assert binomial_se(0.5, 100) == pytest.approx(0.05)
-    with pytest.raises(ConfigError):
-        binomial_se(1.5, 10)
-
-
-def test_combine_disjoint_formula_by_hand():
-    groups = [(0.5, 0.1, 10), (0.8, 0.2, 30)]
-    mean, se, n = combine_disjoint(groups)  # equal weights (macro), App. E.1
-    assert (mean, n) == (pytest.approx(0.65), 40)
-    assert se == pytest.approx(math.sqrt(0.25 * 0.01 + 0.25 * 0.04))
-    mean, se, n = combine_disjoint(groups, weights="items")
-    assert mean == pytest.approx((0.5 * 10 + 0.8 * 30) / 40)
-    assert se == pytest.approx(math.sqrt(10**2 * 0.01 + 30**2 * 0.04) / 40)
-    mean, se, _ = combine_disjoint(groups, weights=[0.2, 0.8])
-    assert mean == pytest.approx(0.2 * 0.5 + 0.8 * 0.8)
-    assert se == pytest.approx(math.sqrt(0.04 * 0.01 + 0.64 * 0.04))
-
-
-def test_combine_disjoint_items_weighting_matches_pooling_raw_items():
-    # Each group is a permutation of the same values (equal means and variances), so the stratified and pooled
-    # estimates differ only by the degrees of freedom: se_combined^2 / se_pooled^2 = (N - 1) / (N - k).
-    base = np.random.default_rng(2).normal(0.0, 1.0, 40)
-    groups = [np.random.default_rng(s).permutation(base) for s in range(5)]
-    parts = [(*mean_se(g), g.size) for g in groups]
-    pooled_mean, pooled_se = mean_se(np.concatenate(groups))
-    mean, se, n = combine_disjoint(parts, weights="items")
-    assert n == 200 and mean == pytest.approx(pooled_mean)
-    assert se == pytest.approx(pooled_se * math.sqrt((200 - 1) / (200 - 5)))
-    # Equal group sizes: equal and item weights agree.
-    assert combine_disjoint(parts) == pytest.approx((mean, se, n))
-
-
-def test_combine_disjoint_errors():
-    with pytest.raises(ConfigError):
-        combine_disjoint([])
-    with pytest.raises(ConfigError, match="n >= 1"):
-        combine_disjoint([(0.5, 0.1, 0)])
-    with pytest.raises(ConfigError, match="unknown weighting"):
-        combine_disjoint([(0.5, 0.1, 3)], weights="macro")
-    with pytest.raises(ConfigError, match="summing to 1"):
-        combine_disjoint([(0.5, 0.1, 3), (0.5, 0.1, 3)], weights=[0.5, 0.6])
 
 
 # --- paired bootstrap -----------------------------------------------------------------------------------------
@@ -169,32 +114,6 @@ def test_paired_bootstrap_errors():
         paired_bootstrap_ci([1.0], [0.0])
     with pytest.raises(ConfigError, match="confidence"):
         paired_bootstrap_ci([1.0, 2.0], [0.0, 1.0], confidence=95)
-
-
-# --- per-token quantities -------------------------------------------------------------------------------------
-
-
-def test_perplexity_and_token_nll():
-    assert perplexity([math.log(2.0)] * 5) == pytest.approx(2.0)
-    assert perplexity(np.array([0.0, 2 * math.log(3.0)])) == pytest.approx(3.0)
-    # Uniform logits over 11 tokens: every NLL is log 11, so perplexity is 11.
-    nll = token_nll(torch.zeros(4, 11), torch.tensor([0, 3, 5, 10]))
-    assert nll == pytest.approx([math.log(11.0)] * 4)
-    assert perplexity(nll) == pytest.approx(11.0)
-    logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(0))
-    targets = torch.arange(6)
-    ref = torch.nn.functional.cross_entropy(logits, targets, reduction="none").numpy()
-    assert token_nll(logits, targets) == pytest.approx(ref, rel=1e-6)
-    with pytest.raises(ConfigError, match="token_nll"):
-        token_nll(torch.zeros(3, 5), torch.zeros(4))
-    with pytest.raises(ConfigError):
-        perplexity([])
-
-
-def test_per_item_means_weighs_each_item_once():
-    assert per_item_means([[1.0, 3.0], [4.0], np.array([0.0, 0.0, 3.0])]).tolist() == [2.0, 4.0, 1.0]
-    with pytest.raises(ConfigError, match="item 1"):
-        per_item_means([[1.0], []])
 
 
 # --- result rows ----------------------------------------------------------------------------------------------

@@ -3,43 +3,8 @@ import json
 import pytest
 
 from evals.errors import DataNotFoundError
-from evals.qa import (INSTRUCTION, QAConversation, QATurn, chat_messages, load_coqa, load_xquad, score_conversation,
-                      score_turn, user_messages)
+from evals.qa import INSTRUCTION, QAConversation, QATurn, chat_messages, load_xquad, score_turn, user_messages
 from translators.errors import ConfigError
-
-COQA_SAMPLE = {
-    "version": "1.0",
-    "data": [
-        {
-            "id": "3dr23u6we5exclen4th8uq9rb42tel",
-            "story": "Once upon a time, in a barn near a farm house, there lived a little white kitten named "
-                     "Cotton. Cotton lived high up in a nice warm place above the barn.",
-            # Deliberately out of turn order: the loader orders by turn_id.
-            "questions": [{"input_text": "Where did she live?", "turn_id": 2},
-                          {"input_text": "What color was Cotton?", "turn_id": 1},
-                          {"input_text": "Did she live alone?", "turn_id": 3}],
-            "answers": [{"input_text": "in a barn", "turn_id": 2},
-                        {"input_text": "white", "turn_id": 1},
-                        {"input_text": "no", "turn_id": 3}],
-            "additional_answers": {"0": [{"input_text": "white kitten", "turn_id": 1},
-                                         {"input_text": "above the barn", "turn_id": 2},
-                                         {"input_text": "No", "turn_id": 3}]},
-        },
-        {
-            "id": "second",
-            "story": "The river was cold.",
-            "questions": [{"input_text": "Was the river warm?", "turn_id": 1}],
-            "answers": [{"input_text": "No, it was cold", "turn_id": 1}],
-        },
-    ],
-}
-
-
-@pytest.fixture
-def coqa_file(tmp_path):
-    path = tmp_path / "coqa-dev-v1.0.json"
-    path.write_text(json.dumps(COQA_SAMPLE))
-    return path
 
 
 def test_xquad_counts_and_order(shared_data):
@@ -81,24 +46,6 @@ def test_malformed_files_are_config_errors(tmp_path):
         load_xquad(bad, max_turns=0)
 
 
-def test_coqa_inline_sample(coqa_file):
-    convs = load_coqa(coqa_file)
-    assert [c.id for c in convs] == ["3dr23u6we5exclen4th8uq9rb42tel", "second"]
-    first = convs[0]
-    assert first.context.startswith("Once upon a time")
-    assert [t.question for t in first.turns] == ["What color was Cotton?", "Where did she live?",
-                                                 "Did she live alone?"]
-    assert first.turns[0].golds == ("white", "white kitten")
-    assert first.turns[1].golds == ("in a barn", "above the barn")
-    assert first.turns[2].golds == ("no", "No")
-    assert len(load_coqa(coqa_file, limit=1, max_turns=2)[0].turns) == 2
-
-
-def test_missing_coqa_file(tmp_path):
-    with pytest.raises(DataNotFoundError, match="coqa"):
-        load_coqa(tmp_path / "coqa-dev-v1.0.json")
-
-
 def test_messages_carry_the_passage_in_the_first_turn_only():
     conv = QAConversation("c", "Cotton is a white kitten.", (QATurn("What color?", ("white",)),
                                                              QATurn("What animal?", ("kitten",))))
@@ -119,7 +66,3 @@ def test_turn_scores_on_hand_examples():
     # vs "above the barn" -> [above, barn]: overlap 1 of 2, P = R = 1/2; max over golds is "in a barn" (F1 1).
     assert score_turn("above barn", turn)["f1"] == 1.0
     assert score_turn("On a farm.", turn) == {"f1": 0.0, "gold_in_answer": 0.0}
-    conv = QAConversation("c", "ctx", (turn,))
-    assert score_conversation(["in a barn"], conv) == [{"f1": 1.0, "gold_in_answer": 1.0}]
-    with pytest.raises(ConfigError, match="1 turns"):
-        score_conversation(["a", "b"], conv)

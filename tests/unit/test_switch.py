@@ -18,7 +18,7 @@ from translators.errors import ConfigError, PairMismatchError, PrefixTooLongErro
 from translators.generation import GenerationSettings
 from translators.layout import cache_layout
 from translators.stage1 import Side, random_like
-from translators.switch import identity_translator, native_generate, reprefill_generate, switch_generate
+from translators.switch import identity_translator, reprefill_generate, switch_generate
 
 NEW = 8
 
@@ -68,7 +68,6 @@ def test_identity_switch_reproduces_native_greedy(side, n, seed):
         assert switch_generate(side, side, ids, None, settings, context_len=k).token_ids == reference
     assert switch_generate(side, side, ids, identity_translator(side.layout), settings).token_ids == reference
     assert reprefill_generate(side, ids, settings).token_ids == reference
-    assert native_generate(side, ids, settings).token_ids == reference
 
 
 def test_switch_from_a_separate_copy_and_held_capture(side):
@@ -174,7 +173,7 @@ def run_turns(conversation, reference_side, n_turns=5, new=6):
         conversation.append(tokens(4 + turn % 3, 100 + turn))
         conversation.switch_to("ab"[turn % 2])
         settings = GenerationSettings(max_new_tokens=new)
-        expected = native_generate(reference_side, conversation.tokens, settings).token_ids
+        expected = reprefill_generate(reference_side, conversation.tokens, settings).token_ids
         matches.append(conversation.generate(settings).token_ids == expected)
     return matches
 
@@ -285,3 +284,24 @@ def test_switch_quality_identity_is_perfect_random_map_is_not():
     assert noise["token_f1"] < 1.0
     with pytest.raises(ConfigError, match="greedy"):
         switch_quality(side, side, prefixes, None, GenerationSettings(temperature=1.0))
+
+
+def test_switch_quality_benchmark_scores_each_condition_against_target_native():
+    """The `switch_quality` benchmark (evals/benchmarks/): held-out switch prefixes, token F1 against the
+    target-native continuation; the identity switch keeps it, a random map does not."""
+    from types import SimpleNamespace
+
+    from tiny_configs import tiny_tokenizer
+
+    from evals.benchmarks import BenchContext, get
+    from evals.conditions import target_native, translated
+
+    model = tiny_model("qwen3", max_position_embeddings=512)
+    loaded = SimpleNamespace(name="qwen3", model=model, layout=cache_layout(model), tokenizer=tiny_tokenizer())
+    context = BenchContext(source=loaded, target=loaded, max_new_tokens=6)
+    side, run = Side(model, loaded.layout), get("switch_quality").run
+    native = run(context, target_native(side), 3)
+    assert native == {"0": 1.0, "1": 1.0, "2": 1.0}
+    assert run(context, translated(side, side), 3) == native
+    noise = run(context, translated(side, side, random_like(identity_translator(side.layout))), 3)
+    assert set(noise) == set(native) and sum(noise.values()) < 3.0
