@@ -132,10 +132,11 @@ def fit(
     seed: Annotated[int | None, typer.Option(help="seed for sampling and controls")] = None,
     steps: Annotated[int | None, typer.Option(help="stage-2 optimizer steps")] = None,
     lr: Annotated[float | None, typer.Option(help="stage-2 learning rate")] = None,
-    workers: Annotated[int | None, typer.Option(help="stage-2 Ray Train workers (1: single process)")] = None,
+    workers: Annotated[int | None, typer.Option(help="Ray workers for stage-1 statistics and stage 2 (1: one process)")] = None,
     gpu: Annotated[bool | None, typer.Option("--gpu/--no-gpu", help="one GPU per Ray Train worker (nccl); needs "
                    "--workers > 1 and CUDA")] = None,
-    ray_address: Annotated[str | None, typer.Option(help="Ray cluster address (default: a local Ray)")] = None,
+    ray_address: Annotated[str | None, typer.Option(envvar="RAY_ADDRESS", help="Ray cluster address (default: a "
+                           "local Ray when --workers > 1, else one process)")] = None,
     output_dir: Annotated[Path | None, typer.Option(help="artifact directory (default: one per run fingerprint)")] = None,
     resume: Annotated[bool | None, typer.Option("--resume/--no-resume", help="resume stage 2 on an identical run "
                       "fingerprint (default; another run in the directory is refused) or start over")] = None,
@@ -211,41 +212,67 @@ def parse_seeds(text: str) -> list[int]:
 @app.command()
 def demo(
     steps: Annotated[int | None, typer.Option(help="stage-2 steps per direction (default: kvlingo fit's)")] = None,
-    eval_limit: Annotated[int, typer.Option(help="items per benchmark")] = 6,
+    eval_limit: Annotated[int | None, typer.Option(min=1, help="items per benchmark (default 60)")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="also run the local-file benchmarks from this folder")] = None,
+    html: Annotated[Path | None, typer.Option(help="report page to write (default $KVLINGO_HOME/report.html)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
-    """The main job on the embedded pair: build the tiny models if needed, fit both directions (stage 1 + a
-    short stage 2), benchmark, log to MLflow, register, and summarise with DuckDB."""
+    """The main job on the embedded pair: build the tiny models if needed, fit both directions with kvlingo fit's
+    defaults, benchmark, hand off over many turns, time the switch, log to MLflow, register, summarise with
+    DuckDB and write the report page."""
     from flows.demo import run_demo
 
     try:
-        result = run_demo(steps=steps, eval_limit=eval_limit, data_dir=data_dir)
+        result = run_demo(steps=steps, eval_limit=eval_limit, data_dir=data_dir, html=html)
     except KvlingoError as err:
         _fail(err)
     if as_json:
         sys.stdout.write(json.dumps(result, default=str) + "\n")
         return
-    from registry.report import print_report
+    print_demo_summary(result, Console())
 
-    console = Console()
-    table = Table("source → target", "closed form", "distilled", "empty prefix", "random map", "R² keys", "R² values",
+
+def print_demo_summary(result: dict, console: Console) -> None:
+    """The demo's outcome in tables that fit 100 columns: validation KL per direction, one benchmark table per
+    direction (scores; intervals are on the page), the hand-off means and the switch speed-ups."""
+    table = Table("direction", "closed form", "distilled", "ratio", "empty prefix", "random map",
                   title="validation KL (nats/token, lower is better)")
     for fit in result["fits"]:
         kl = fit["val_kl"]
-        table.add_row(f"{fit['source']} → {fit['target']}", f"{kl['closed_form']:.3f}", f"{kl.get('distilled', float('nan')):.3f}",
-                      f"{kl['empty_prefix']:.3f}", f"{kl['random_map']:.3f}", f"{fit['r2']['keys']:.3f}", f"{fit['r2']['values']:.3f}")
+        ratio = kl["distilled"] / kl["closed_form"] if "distilled" in kl else float("nan")
+        table.add_row(_direction(fit["source"], fit["target"]), f"{kl['closed_form']:.3f}",
+                      f"{kl.get('distilled', float('nan')):.3f}", f"{ratio:.2f}×", f"{kl['empty_prefix']:.3f}",
+                      f"{kl['random_map']:.3f}")
     console.print(table)
-    bench = Table("benchmark", "condition", "score", "± se", "n", title="quick benchmarks")
     for fit in result["fits"]:
-        for row in fit["benchmarks"]:
-            bench.add_row(f"{row['benchmark']} ({fit['source']}→{fit['target']})", row["condition"], f"{row['score']:.3f}",
-                          f"{row['se']:.3f}", str(row["n"]))
-    console.print(bench)
-    print_report(result["duckdb"], console=console)
+        conditions = list(dict.fromkeys(row["condition"] for row in fit["benchmarks"]))
+        if not conditions:
+            continue
+        bench = Table("benchmark", *(c.replace("_", " ") for c in conditions),
+                      title=f"benchmarks {_direction(fit['source'], fit['target'])} (n per condition)")
+        for name in dict.fromkeys(row["benchmark"] for row in fit["benchmarks"]):
+            cells = {row["condition"]: row for row in fit["benchmarks"] if row["benchmark"] == name}
+            bench.add_row(name, *(f"{cells[c]['score']:.3f} ({cells[c]['n']})" if c in cells else "—" for c in conditions))
+        console.print(bench)
+    if result.get("multiturn"):
+        modes = result["multiturn"]["modes"]
+        console.print("multi-turn hand-off, mean recall: " + ", ".join(f"{m} {row['mean']:.2f}" for m, row in modes.items()))
+    for speed in result.get("speed", []):
+        console.print(f"switch speed-up {_direction(speed['source'], speed['target'])}: "
+                      + ", ".join(f"{row['ratio']:.2f}× at {row['n']} tokens" for row in speed["rows"]))
     for fit in result["fits"]:
         console.print(f"registered: {fit['registry']['model_uri']} (champion: version {fit['registry']['champion'].get('version')})")
-    console.print("browse the runs: [bold].venv/bin/kvlingo ui[/] then open http://127.0.0.1:5000")
+    if result.get("html"):
+        console.print(f"report page: [bold]{result['html']['path']}[/] ({result['html']['figures']} figures)")
+    console.print("all runs: [bold].venv/bin/kvlingo report[/]; browse: [bold].venv/bin/kvlingo ui[/], then "
+                  "http://127.0.0.1:5000")
+
+
+def _direction(source: str, target: str) -> str:
+    """"a → b" for a table cell, without the model names' common prefix (kvlingo-tiny-l → tiny-l)."""
+    from registry.report import short_direction
+
+    return short_direction(source, target)
 
 
 bench_app = typer.Typer(
@@ -394,6 +421,10 @@ def eval_command(
     ruler_lengths: Annotated[str | None, typer.Option(help="comma-separated RULER context lengths in tokens")] = None,
     judge_url: Annotated[str | None, typer.Option(help="OpenAI-compatible judge endpoint")] = None,
     judge_model: Annotated[str | None, typer.Option(help="judge model (endpoint model name or zoo model)")] = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="Ray actors scoring (benchmark, condition, item shard) units; rows "
+                       "equal the one-process run (1: one process)")] = None,
+    ray_address: Annotated[str | None, typer.Option(envvar="RAY_ADDRESS", help="Ray cluster address (default: a "
+                           "local Ray when --workers > 1, else one process)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
     """Score the pair under target-native, source-native, empty-prefix and translated caches on the same items.
@@ -411,7 +442,7 @@ def eval_command(
         _fail(KvlingoError(f"--ruler-lengths must be comma-separated integers, got {ruler_lengths!r}"))
     overrides = dict(source=source, target=target, suite=suite, translators=translator, benchmarks=benchmark,
                      limit=limit, data_dir=data_dir, fit_dir=fit_dir, ruler_lengths=lengths, judge_url=judge_url,
-                     judge_model=judge_model)
+                     judge_model=judge_model, workers=workers, ray_address=ray_address)
     try:
         result = run_eval(load_config(EvalConfig, None, overrides),
                           on_benchmark=lambda name: err_console.print(f"[dim]benchmark: {name}[/]"))
@@ -437,20 +468,26 @@ def eval_command(
 def report(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
     parquet: Annotated[Path | None, typer.Option("--parquet", help="also write every table as DIR/<table>.parquet")] = None,
+    html: Annotated[Path | None, typer.Option("--html", help="also write the report page (plots, one HTML file) to PATH")] = None,
 ) -> None:
     """Summarise logged fits: runs, best translator per direction, lr sweep, benchmark deltas (DuckDB).
 
     Refreshes $KVLINGO_HOME/kvlingo.duckdb from the MLflow store first.
     """
+    from registry.html_report import check_page_path, write_html_report
     from registry.report import export_parquet, print_report, refresh_duckdb, report_json
 
     try:
+        if html is not None:
+            check_page_path(html)
         db = refresh_duckdb()
         summary = report_json(db)
         files = export_parquet(db, parquet) if parquet else []
+        page = write_html_report(html) if html is not None else None
     except KvlingoError as err:
         _fail(err)
-    err_console.print(f"[dim]DuckDB summary: {db}" + (f"; parquet: {parquet}" if files else "") + "[/]")
+    err_console.print(f"[dim]DuckDB summary: {db}" + (f"; parquet: {parquet}" if files else "")
+                      + (f"; page: {page['path']} ({page['figures']} figures)" if page else "") + "[/]")
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
         return
@@ -488,6 +525,10 @@ def sweep(
     seeds: Annotated[str, typer.Option(help="comma-separated seeds; the first selects the rate")] = "0",
     steps: Annotated[int | None, typer.Option(help="stage-2 steps per cell")] = None,
     one_direction: Annotated[bool, typer.Option("--one-direction", help="only SOURCE → TARGET")] = False,
+    workers: Annotated[int | None, typer.Option(min=1, help="Ray actors: stage-1 shards, then that many cells at once "
+                       "(1: one process, cells one after another)")] = None,
+    ray_address: Annotated[str | None, typer.Option(envvar="RAY_ADDRESS", help="Ray cluster address (default: a "
+                           "local Ray when --workers > 1, else one process)")] = None,
     config: Annotated[Path | None, typer.Option(help="YAML with FitConfig fields shared by every cell")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
@@ -500,6 +541,7 @@ def sweep(
     try:
         seed_list = parse_seeds(seeds)
         base = sweep_base(read_config_file(config) if config else {}, steps)
+        base.update({k: v for k, v in (("workers", workers), ("ray_address", ray_address)) if v is not None})
         load_config(FitConfig, None, {**base, "source": source, "target": target})  # validate before compute
         initial_rates(centre_lr, n_rates)
         use_tracking_store()
@@ -526,6 +568,90 @@ def sweep_base(values: dict, steps: int | None) -> dict:
     if steps is not None:
         base["steps"] = steps
     return base
+
+
+@app.command(name="plan")
+def plan_command(
+    source: Annotated[str, typer.Argument(help="source model: zoo name, hub id or local directory (config.json only)")],
+    target: Annotated[str, typer.Argument(help="target model")],
+    tokens: Annotated[int, typer.Option(min=1, help="training prefix tokens for stage 1")] = 500_000,
+    gpus: Annotated[int, typer.Option(min=1, help="GPUs (one worker each)")] = 1,
+    prefix_tokens: Annotated[int, typer.Option(min=2, help="mean prefix length per conversation")] = 512,
+    continuation_tokens: Annotated[int, typer.Option(min=1, help="continuation tokens per conversation (stage 2)")] = 64,
+    assignment: Annotated[str, typer.Option(help="layer assignment: depth | greedy | r2 (sets the candidate layers)")] = "r2",
+    nu: Annotated[int, typer.Option(min=1, help="source layers per target layer (ν)")] = 1,
+    steps: Annotated[int, typer.Option(min=1, help="stage-2 steps")] = 400,
+    batch: Annotated[int, typer.Option(min=1, help="stage-2 conversations per step")] = 8,
+    bf16_tflops: Annotated[float, typer.Option(help="assumed peak bf16 TFLOP/s per GPU (H100 SXM dense: 989)")] = 989.0,
+    fp64_tflops: Annotated[float, typer.Option(help="assumed peak fp64 TFLOP/s per GPU (H100 SXM tensor cores: 67)")] = 67.0,
+    mfu: Annotated[float, typer.Option(help="assumed fraction of the bf16 peak reached by model passes")] = 0.35,
+    gpu_memory_gb: Annotated[float, typer.Option(help="memory per GPU (GB) for the fit check")] = 80.0,
+    configs: Annotated[Path | None, typer.Option(help="folder of config.json files for hub ids "
+                       "(FOLDER/org/name/config.json); offline, hub ids are otherwise read from the HF cache")] = None,
+    measure: Annotated[bool, typer.Option("--measure", help="also time stage 1 per token on this CPU for the pair "
+                       "(loads the models) beside the cost model's prediction")] = False,
+    measure_samples: Annotated[int, typer.Option(min=1, help="conversations timed by --measure")] = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """What fitting SOURCE → TARGET costs, from the config.json files (no weights): capture and Gram FLOPs per
+    token, statistics memory (fp64), bytes per shard merge, stage-2 step cost and wall time on GPUS GPUs.
+
+    The model and its assumptions are documented in tasks/cost_model.py and the README (Running on a Ray cluster).
+    """
+    from tasks.cost_model import Throughput, Workload
+    from tasks.plan import measure_stage1, plan
+
+    try:
+        workload = Workload(tokens=tokens, prefix_tokens=prefix_tokens, continuation_tokens=continuation_tokens,
+                            assignment=assignment, nu=nu, steps=steps, batch=batch)
+        throughput = Throughput(bf16_tflops=bf16_tflops, fp64_tflops=fp64_tflops, mfu=mfu, gpu_memory_gb=gpu_memory_gb)
+        result = plan(source, target, workload, gpus, throughput, configs_dir=configs)
+        if measure:
+            result["measured"] = measure_stage1(source, target, prefix_tokens=min(prefix_tokens, 256),
+                                                samples=measure_samples, assignment=assignment, nu=nu)
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    _print_plan(result)
+
+
+def _print_plan(r: dict) -> None:
+    console = Console()
+    w, s, m = r["workload"], r["seconds"], r["memory_gb_per_gpu"]
+    table = Table("quantity", "value", title=f"plan {r['source']} → {r['target']}: {w['tokens']:,} tokens, "
+                  f"{r['gpus']} GPU(s), {w['assignment']} ν={w['nu']}, {r['throughput']['name']} at MFU {r['throughput']['mfu']}")
+    rows = [
+        ("K/V width d_src / d_tgt", f"{r['kv_width']['source']} / {r['kv_width']['target']}"),
+        ("capture GFLOP/token source / target",
+         f"{r['capture_flops_per_token']['source'] / 1e9:.3f} / {r['capture_flops_per_token']['target'] / 1e9:.3f}"),
+        ("Gram fp64 GFLOP/token (K+V)", f"{r['gram_flops_per_token'] / 1e9:.3f}"),
+        ("Gram sums xx / xy / yy per object", f"{r['candidates']['xx']} / {r['candidates']['xy']} / {r['candidates']['yy']}"),
+        ("statistics (fp64)", f"{r['stats_bytes'] / 2**20:,.1f} MiB"),
+        ("shards / bytes moved per merge", f"{r['shards']} / {r['merge_bytes_per_shard'] / 2**20:,.1f} MiB"),
+        ("stage 1 PFLOP capture / Gram", f"{r['stage1_flops']['capture'] / 1e15:.3f} / {r['stage1_flops']['gram'] / 1e15:.3f}"),
+        ("stage-2 step TFLOP", f"{r['stage2_step_flops'] / 1e12:.3f}"),
+        ("translator parameters", f"{r['map_params']:,}"),
+        ("memory per GPU (weights bf16 + stats)", f"{m['total']:.2f} GB"),
+        ("wall: stage 1 capture / Gram / merge", f"{s['stage1_capture']:.3g} s / {s['stage1_gram']:.3g} s / {s['stage1_merge']:.3g} s"),
+        ("wall: stage 2", f"{s['stage2']:.3g} s"),
+        ("wall: total", f"{s['total']:.3g} s ({s['total'] / 3600:.3g} h)"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)
+    for warning in r["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}")
+    if "measured" in r:
+        meas = r["measured"]
+        t = Table("part", "predicted µs/token", "measured µs/token", "measured / predicted",
+                  title=f"stage 1 on this CPU ({meas['threads']} threads, {meas['prefix_tokens']}-token prefixes; "
+                        f"matmul {meas['matmul_gflops']['fp32']:.1f} GFLOP/s fp32, {meas['matmul_gflops']['fp64']:.1f} fp64)")
+        for part in ("source", "target", "gram", "total"):
+            t.add_row(part, f"{meas['seconds_per_token']['predicted'][part] * 1e6:.1f}",
+                      f"{meas['seconds_per_token']['measured'][part] * 1e6:.1f}", f"{meas['measured_over_predicted'][part]:.2f}")
+        console.print(t)
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """`kvlingo demo`: the main job on the embedded default pair, end to end on a laptop CPU.
 
-Builds the two embedded models on first use, then for both directions: stage 1 + a short stage 2, the
-data-free quick benchmarks (plus the local-file ones with --data-dir), an MLflow run per fit, registration
-as `<source>--<target>` with the champion alias, and the DuckDB summary. Interrupted, it resumes: statistics
+Builds the two embedded models on first use, then for both directions: `kvlingo fit`'s default recipe (stage 1
++ stage 2), the data-free benchmarks on 60 items each (plus the local-file ones with --data-dir), an MLflow run
+per fit, registration as `<source>--<target>` with the champion alias; then the multi-turn hand-off and the
+switch speed at two lengths (MLflow runs too), the DuckDB summary and the HTML report page. Interrupted, it resumes: statistics
 are content-addressed, stage 2 restarts from its last checkpoint.
 """
 
@@ -12,10 +13,15 @@ from pathlib import Path
 from typing import Any
 
 
-def run_demo(*, steps: int | None = None, eval_limit: int = 6, data_dir: Path | None = None) -> dict[str, Any]:
-    from flows.pipeline import demo_flow, start_local_prefect_api
+def run_demo(*, steps: int | None = None, eval_limit: int | None = None, data_dir: Path | None = None,
+             html: Path | None = None) -> dict[str, Any]:
+    from flows.pipeline import DEMO_EVAL_LIMIT, demo_flow, start_local_prefect_api
     from registry.tracking import use_tracking_store
 
+    from registry.html_report import check_page_path
+
+    if html is not None:
+        check_page_path(html)
     use_tracking_store()  # fail fast on an unreachable tracking server, before any compute
     start_local_prefect_api()
-    return demo_flow(steps=steps, eval_limit=eval_limit, data_dir=data_dir)
+    return demo_flow(steps=steps, eval_limit=eval_limit or DEMO_EVAL_LIMIT, data_dir=data_dir, html=html)

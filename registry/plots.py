@@ -86,3 +86,83 @@ def assignment_heatmap(assignment: dict[str, dict[str, list[int]]], path: Path, 
     finally:
         plt.close(fig)
     return path
+
+
+# Colours per condition, fixed so that every figure of a page reads the same way.
+CONDITION_COLOURS = {
+    "target_native": "#2b6cb0", "source_native": "#805ad5", "closed_form": "#dd6b20", "distilled": "#2f855a",
+    "empty_prefix": "#a0aec0", "random_map": "#e53e3e",
+}
+
+
+def kl_bars(val_kl: dict[str, float], val_kl_se: dict[str, float], path: Path, *, title: str) -> Path | None:
+    """Validation KL per condition (closed form, distilled, and the empty-prefix / random-map controls) as bars
+    with ±1.96·SE whiskers on a log axis (the controls sit one to two decades above). None if no KL."""
+    order = [c for c in ("closed_form", "distilled", "empty_prefix", "random_map") if val_kl.get(c) is not None]
+    if not order:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    try:
+        values = [val_kl[c] for c in order]
+        errors = [1.96 * (val_kl_se.get(c) or 0.0) for c in order]
+        bars = ax.bar(order, values, yerr=errors, capsize=4, color=[CONDITION_COLOURS[c] for c in order])
+        ax.bar_label(bars, labels=[f"{v:.3f}" for v in values], padding=2, fontsize=9)
+        ax.set_yscale("log")
+        ax.set_ylabel("validation KL (nats/token, log)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def benchmark_scores(rows: list[dict[str, Any]], path: Path, *, title: str) -> Path | None:
+    """One panel per benchmark: the score of every condition with a ±1.96·SE whisker (its own mean over items).
+    `rows`: dicts with benchmark, condition, score, se. None if there are no rows."""
+    benchmarks = list(dict.fromkeys(r["benchmark"] for r in rows))
+    if not benchmarks:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(benchmarks), figsize=(3.4 * len(benchmarks), 3.6), squeeze=False)
+    try:
+        for ax, name in zip(axes[0], benchmarks):
+            picked = [r for r in rows if r["benchmark"] == name]
+            labels = [r["condition"] for r in picked]
+            ax.bar(range(len(picked)), [r["score"] for r in picked],
+                   yerr=[1.96 * (r.get("se") or 0.0) for r in picked], capsize=3,
+                   color=[CONDITION_COLOURS.get(c, "#718096") for c in labels])
+            ax.set_xticks(range(len(picked)), labels, rotation=40, ha="right", fontsize=8)
+            ax.set_title(name, fontsize=10)
+            ax.grid(alpha=0.3, axis="y")
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def multiturn_per_turn(modes: dict[str, dict[str, Any]], path: Path, *, title: str) -> Path | None:
+    """Recall per turn of an alternating hand-off, one line per mode (`tasks.multiturn` result["modes"])."""
+    if not modes:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    try:
+        for mode, row in modes.items():
+            turns = range(1, len(row["per_turn"]) + 1)
+            ax.plot(turns, row["per_turn"], "o-", label=f"{mode} (mean {row['mean']:.2f})")
+        ax.set_xlabel("turn (holder alternates A, B, A, …)")
+        ax.set_ylabel("recall")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path

@@ -329,9 +329,26 @@ def export_parquet(db_path: str | Path, out_dir: str | Path) -> list[Path]:
     return written
 
 
+def short_direction(source: str, target: str) -> str:
+    """"a → b" without the first name segment both share (up to "-" or "/"): `kvlingo-tiny-l`, `kvlingo-tiny-s`
+    → "tiny-l → tiny-s", `Qwen/Qwen3-0.6B`, `Qwen/Qwen3-1.7B` → "Qwen3-0.6B → Qwen3-1.7B"; otherwise the whole names."""
+    source, target = str(source), str(target)
+    cut = next((i + 1 for i, c in enumerate(source) if c in "-/"), 0)
+    if not cut or source[:cut] != target[:cut] or cut == len(source) or cut == len(target):
+        cut = 0
+    return f"{source[cut:]} → {target[cut:]}"
+
+
+def _by_direction(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["source"], row["target"]), []).append(row)
+    return groups
+
+
 def print_report(db_path: str | Path, console=None) -> None:
-    """Rich tables of a summary file: runs, best translator per direction and validation set (followed by
-    RANKING_NOTE), learning-rate sweep, benchmark deltas.
+    """Rich tables of a summary file, one per direction so that rows fit a 100-column terminal: runs, best
+    translator per validation set (followed by RANKING_NOTE), learning-rate sweep, benchmark deltas.
 
     Raises:
         RegistryError: no summary file.
@@ -346,33 +363,37 @@ def print_report(db_path: str | Path, console=None) -> None:
 
         console.print(f"no fit runs logged in the tracking store {tracking_uri()} yet")
         return
-    table = Table("source → target", "stage", "val KL", "± item se", "± seed SD", "lr", "run", title="runs (validation KL, nats/token)")
-    for r in runs:
-        table.add_row(r["direction"], r["stage"], _fmt(r["val_kl"]), _fmt(r["val_kl_se"]), _fmt(r["val_kl_seed_sd"]),
-                      _fmt(r["lr"], ".1e"), r["run_id"][:8])
-    console.print(table)
-    table = Table("source → target", "val set", "stage", "val KL", "lr", "run", title="best translator per direction")
-    for r in read_table(db_path, "best_translators"):
-        table.add_row(r["direction"], _hash(r["val_set_hash"]), r["stage"], _fmt(r["val_kl"]), _fmt(r["lr"], ".1e"),
-                      r["run_id"][:8])
-    console.print(table)
-    console.print(RANKING_NOTE, style="dim", soft_wrap=True)
-    sweep = read_table(db_path, "lr_sweep")
-    if sweep:
-        table = Table("source → target", "val set", "lr", "best val KL", "mean", "± seed SD", "± item se", "runs",
-                      "selected", title="learning-rate sweep (mean over seeds)")
-        for r in sweep:
-            table.add_row(f"{r['source']} → {r['target']}", _hash(r["val_set_hash"]), _fmt(r["lr"], ".1e"), _fmt(r["val_kl"]),
-                          _fmt(r["mean_val_kl"]), _fmt(r["seed_sd_val_kl"]), _fmt(r["mean_item_se"]), str(r["n_runs"]),
-                          "✓" if r["is_best"] else "")
+    best = _by_direction(read_table(db_path, "best_translators"))
+    sweep = _by_direction(read_table(db_path, "lr_sweep"))
+    deltas = _by_direction(read_table(db_path, "bench_deltas"))
+    for (source, target), rows in _by_direction(runs).items():
+        direction = short_direction(source, target)
+        table = Table("stage", "val KL", "± item se", "± seed SD", "lr", "val set", "run",
+                      title=f"{source} → {target}: runs (validation KL, nats/token)")
+        for r in rows:
+            table.add_row(r["stage"], _fmt(r["val_kl"]), _fmt(r["val_kl_se"]), _fmt(r["val_kl_seed_sd"]),
+                          _fmt(r["lr"], ".1e"), _hash(r["val_set_hash"]), r["run_id"][:8])
         console.print(table)
-    deltas = read_table(db_path, "bench_deltas")
-    if deltas:
-        table = Table("source → target", "benchmark", "condition", "score", "Δ vs target native", "95% CI", "CI", title="benchmarks")
-        for r in deltas:
-            table.add_row(f"{r['source']} → {r['target']}", r["benchmark"], r["condition"], _fmt(r["score"]), _fmt(r["delta"], "+.4f"),
-                          f"[{_fmt(r['ci_low'], '+.4f')}, {_fmt(r['ci_high'], '+.4f')}]", r["ci_method"])
+        table = Table("val set", "stage", "val KL", "lr", "run", title=f"best translator {direction}")
+        for r in best.get((source, target), []):
+            table.add_row(_hash(r["val_set_hash"]), r["stage"], _fmt(r["val_kl"]), _fmt(r["lr"], ".1e"), r["run_id"][:8])
         console.print(table)
+        if sweep.get((source, target)):
+            table = Table("val set", "lr", "best val KL", "mean", "± seed SD", "± item se", "runs", "selected",
+                          title=f"learning-rate sweep {direction} (mean over seeds)")
+            for r in sweep[(source, target)]:
+                table.add_row(_hash(r["val_set_hash"]), _fmt(r["lr"], ".1e"), _fmt(r["val_kl"]), _fmt(r["mean_val_kl"]),
+                              _fmt(r["seed_sd_val_kl"]), _fmt(r["mean_item_se"]), str(r["n_runs"]), "✓" if r["is_best"] else "")
+            console.print(table)
+        if deltas.get((source, target)):
+            table = Table("benchmark", "condition", "score", "Δ vs target", "95% CI", "CI", title=f"benchmarks {direction}",
+                          caption="CI: paired bootstrap, or normal (unpaired, conservative)")
+            for r in deltas[(source, target)]:
+                table.add_row(r["benchmark"], r["condition"], _fmt(r["score"]), _fmt(r["delta"], "+.4f"),
+                              f"[{_fmt(r['ci_low'], '+.4f')}, {_fmt(r['ci_high'], '+.4f')}]",
+                              "paired" if r["ci_method"] == "paired_bootstrap" else "normal")
+            console.print(table)
+    console.print(RANKING_NOTE, style="dim")
 
 
 def _hash(value: str | None) -> str:

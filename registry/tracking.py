@@ -255,7 +255,7 @@ def log_fit_run(
 
     The run goes into the pair's experiment (or `experiment`), nested under `parent_run_id` when given (a
     sweep). Artifacts: config.yaml, summary.json, r2_per_layer.csv, plots/kl_curve.png (stage 2),
-    plots/assignment.png, and translators/closed_form + translators/distilled from `run_dir` when present.
+    plots/val_kl_bars.png, plots/assignment.png, and translators/closed_form + translators/distilled from `run_dir` when present.
 
     Raises:
         ConfigError: a summary without the fields of a fit summary, or a missing run_dir.
@@ -401,6 +401,8 @@ def _log_fit_artifacts(client, run_id: str, summary: Mapping[str, Any], config: 
         if summary.get("r2_per_layer"):
             (out / "r2_per_layer.csv").write_text(r2_table_csv(summary["r2_per_layer"]))
         plots.kl_curve(summary.get("history") or [], out / "plots" / "kl_curve.png", title=f"stage 2: {title}")
+        plots.kl_bars(summary.get("val_kl") or {}, summary.get("val_kl_se") or {}, out / "plots" / "val_kl_bars.png",
+                      title=f"validation KL: {title}")
         if summary.get("assignment"):
             plots.assignment_heatmap(summary["assignment"], out / "plots" / "assignment.png", title=f"layer assignment: {title}")
         for record in ("data_manifest.json", "fingerprint.json"):  # the frozen data and the run's fingerprint
@@ -427,7 +429,8 @@ def log_benchmark_rows(run_id: str, rows: Iterable[Mapping[str, Any]]) -> int:
     """Log benchmark score rows (`evals.metrics.ScoreRow.to_dict()`) into a run. Returns the metric count.
 
     Each row becomes metrics `bench.<benchmark>.<condition>.<field>` for the fields in BENCH_FIELDS it holds
-    (`delta` is taken from `row["delta"]` or `row["extra"]["delta"]`); the rows also go to `bench/rows.json`.
+    (`delta` is taken from `row["delta"]` or `row["extra"]["delta"]`); the rows also go to `bench/rows.json` and
+    their plot (`registry.plots.benchmark_scores`) to `plots/scores.png`.
 
     Raises:
         ConfigError: a row without benchmark, condition or score, or a condition containing ".".
@@ -446,9 +449,15 @@ def log_benchmark_rows(run_id: str, rows: Iterable[Mapping[str, Any]]) -> int:
     client = tracking_client()
     _check_run(client, run_id, "run")
     _log_metrics(client, run_id, metrics)
+    from registry import plots
+
     with tempfile.TemporaryDirectory(prefix="kvlingo-bench-") as tmp:
         (Path(tmp) / "rows.json").write_text(json.dumps(rows, indent=2, default=str))
         client.log_artifact(run_id, str(Path(tmp) / "rows.json"), artifact_path="bench")
+        run = client.get_run(run_id)
+        title = f"benchmarks: {run.data.tags.get('source', '?')} → {run.data.tags.get('target', '?')}"
+        if plots.benchmark_scores(rows, Path(tmp) / "scores.png", title=title):
+            client.log_artifact(run_id, str(Path(tmp) / "scores.png"), artifact_path="plots")
     return len(metrics)
 
 

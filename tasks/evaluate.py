@@ -12,6 +12,10 @@ model translated into itself). Translated and empty-prefix rows carry the paired
 (condition − target_native) on the same items: every benchmark returns each condition's scores keyed by item
 id, and the pairing keeps the ids both conditions scored (a condition may fail an item the other scored).
 
+With `workers` > 1 or a Ray address the units (benchmark, condition, item shard) run on Ray actors
+(`_score_on_ray`); item-sharded benchmarks (`BenchmarkSpec.item_shards`) split their items by index into
+`workers` contiguous shards, and the merged shards give the one-process rows and CIs exactly.
+
 Composition only: items, metrics and conditions live in evals/, the numerics in translators/.
 """
 
@@ -48,6 +52,10 @@ class EvalConfig(BaseModel):
     judge_url: str | None = Field(None, description="OpenAI-compatible endpoint for the MT-Bench judge")
     judge_model: str | None = Field(None, description="judge model name at the endpoint, or a zoo model for a local judge")
     seed: int = 0
+    workers: int = Field(1, ge=1, description="1: one process; >1: Ray actors score (benchmark, condition, item "
+                         "shard) units, each item-sharded benchmark split into `workers` shards")
+    ray_address: str | None = Field(None, description="Ray cluster to join (default RAY_ADDRESS); with it the "
+                                    "benchmarks run on the cluster even with workers=1")
 
     def suite_name(self) -> str:
         from evals.benchmarks import default_suite
@@ -197,6 +205,8 @@ def run_eval(config: EvalConfig, *, on_benchmark: Callable[[str], None] | None =
     from infra.pairs import check_same_tokenizer
     from infra.zoo import load_model
 
+    from tasks.cluster import use_ray
+
     specs = preflight(config)
     source, target = load_model(config.source), load_model(config.target)
     check_same_tokenizer(source, target)
@@ -204,13 +214,16 @@ def run_eval(config: EvalConfig, *, on_benchmark: Callable[[str], None] | None =
     context = config.context(source, target)
     rows: list[dict[str, Any]] = []
     errors: list[dict[str, str]] = []
-    for spec in specs:
-        if on_benchmark:
-            on_benchmark(spec.name)
-        try:
-            rows += score_benchmark(spec, context, conditions, config.limit)
-        except BenchmarkUnavailableError as err:
-            errors.append({"benchmark": spec.name, "error": str(err)})
+    if use_ray(config.workers, config.ray_address):
+        rows, errors = _score_on_ray(config, specs, list(conditions), source, target, on_benchmark)
+    else:
+        for spec in specs:
+            if on_benchmark:
+                on_benchmark(spec.name)
+            try:
+                rows += score_benchmark(spec, context, conditions, config.limit)
+            except BenchmarkUnavailableError as err:
+                errors.append({"benchmark": spec.name, "error": str(err)})
     return {
         "source": source.name, "target": target.name,
         "suite": None if config.benchmarks else config.suite_name(),
@@ -218,3 +231,94 @@ def run_eval(config: EvalConfig, *, on_benchmark: Callable[[str], None] | None =
         "benchmarks": [{"name": s.name, "metric": s.metric, "higher_is_better": s.higher_is_better} for s in specs],
         "rows": rows, "errors": errors,
     }
+
+
+# -- on Ray ----------------------------------------------------------------------------------------------------
+_ACTOR_CONDITIONS: dict[str, Any] = {}  # in a Ray actor: the conditions of one eval config, built once
+
+
+def _eval_unit(source, target, config_json: str, unit: tuple[str, str, tuple[int, int]]) -> dict[str, Any]:
+    """Runs in a Ray actor holding the pair: one item shard (index, count) of one benchmark under one condition.
+    Returns {"scores", "extra"} or {"error"} for a benchmark that cannot run for an outside reason."""
+    from evals.benchmarks import BenchmarkUnavailableError, all_specs
+
+    config = EvalConfig.model_validate_json(config_json)
+    if config_json not in _ACTOR_CONDITIONS:
+        _ACTOR_CONDITIONS.clear()
+        _ACTOR_CONDITIONS[config_json] = (build_conditions(config, source, target), config.context(source, target))
+    conditions, context = _ACTOR_CONDITIONS[config_json]
+    spec_name, condition, (index, count) = unit
+    try:  # the shard's context shares the actor's memo (items, teacher logits) with the other units
+        scores = all_specs()[spec_name].run(context.for_shard(index, count), conditions[condition], config.limit)
+    except BenchmarkUnavailableError as err:
+        return {"error": str(err)}
+    return {"scores": dict(scores), "extra": dict(getattr(scores, "extra", None) or {})}
+
+
+def eval_units(specs: list, conditions: list[str], shards: int) -> list[tuple[str, str, tuple[int, int]]]:
+    """The Ray work units (benchmark, condition, (shard index, shard count)): `shards` item shards of each
+    benchmark whose spec has `item_shards`, one (0, 1) unit of the others (lm-eval tasks, the MT-Bench judge)."""
+    units = []
+    for spec in specs:
+        count = max(1, shards) if spec.item_shards else 1
+        units += [(spec.name, name, (k, count)) for name in conditions for k in range(count)]
+    return units
+
+
+def rows_from_units(specs: list, conditions: list[str], results: Mapping[tuple, Mapping[str, Any]]
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Rows and error entries from every unit's result ({"scores", "extra"} or {"error"}, keyed by `eval_units`'
+    units), in the one-process order: each condition's shards merged in shard order (`merge_shards`: the
+    one-process {item id: score} in its order), then `rows_for` as in `score_benchmark`. A benchmark any of whose
+    units is unavailable becomes one error entry."""
+    from evals.benchmarks import ItemScores, merge_shards
+
+    by_benchmark: dict[str, dict[str, list[tuple[int, Mapping[str, Any]]]]] = {}
+    for (spec_name, name, (index, _count)), result in results.items():
+        by_benchmark.setdefault(spec_name, {}).setdefault(name, []).append((index, result))
+    rows: list[dict[str, Any]] = []
+    errors: list[dict[str, str]] = []
+    for spec in specs:
+        mine = {name: [r for _, r in sorted(by_benchmark[spec.name][name], key=lambda x: x[0])] for name in conditions}
+        failed = next((r["error"] for name in conditions for r in mine[name] if "error" in r), None)
+        if failed is not None:
+            errors.append({"benchmark": spec.name, "error": failed})
+            continue
+        per_condition: dict[str, ItemScores] = {}
+        extra: dict[str, dict] = {}
+        for name in conditions:
+            merged = merge_shards([ItemScores(r["scores"], extra=r["extra"]) for r in mine[name]])
+            per_condition[name] = dict(merged)
+            if merged.extra:
+                extra[name] = dict(merged.extra)
+        rows += rows_for(spec.name, per_condition, extra, spec=spec)
+    return rows, errors
+
+
+def _score_on_ray(config: EvalConfig, specs: list, conditions: list[str], source, target,
+                  on_benchmark: Callable[[str], None] | None) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Every (benchmark, condition, item shard) unit (`eval_units`: item-sharded benchmarks split into
+    `config.workers` shards) on `config.workers` Ray actors (tasks/cluster.py); rows assembled here in the
+    one-process order (`rows_from_units`), so they equal `score_benchmark`'s: items are keyed by id and assigned to
+    shards by their index in the runner's deterministic item list, never by timing, and each unit runs its items
+    with the same seed.
+
+    Raises:
+        ClusterError: the cluster cannot be reached or a worker failed.
+    """
+    from infra.zoo import model_signature
+    from tasks.cluster import ordered_map, workers_for
+
+    # The actors resolve nothing on their own: the fit directory and data folder travel as absolute paths.
+    config = config.model_copy(update={
+        "fit_dir": Path(config.fit_dir or _latest_fit_or_pair_dir(source.name, target.name)).resolve(),
+        "data_dir": Path(config.data_dir).resolve() if config.data_dir else None})
+    signatures = {"source": model_signature(source), "target": model_signature(target)}
+    actors = workers_for(config.source, config.target, workers=config.workers, address=config.ray_address,
+                         signatures=signatures)
+    units = eval_units(specs, conditions, config.workers)
+    if on_benchmark:
+        for spec in specs:
+            on_benchmark(spec.name)
+    results = dict(zip(units, ordered_map(actors, "call", units, _eval_unit, config.model_dump_json())))
+    return rows_from_units(specs, conditions, results)

@@ -233,6 +233,13 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
     # A temporary directory of this process and thread: two fits of the same pair (threads of a Prefect flow, or
     # a CLI fit beside a sweep) may finish the same shard at once. The content address makes their results
     # identical, so whichever rename lands first wins and the other discards its copy.
+    store_shard(plan, samples, stats)
+    return stats
+
+
+def store_shard(plan: FitPlan, samples: list, stats: dict) -> None:
+    """Write one shard's statistics under its content address (temporary directory, then rename)."""
+    store = stats_store(plan, samples)
     tmp = store.with_name(f"{store.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     tmp.mkdir(parents=True)
     for name, object_stats in stats.items():
@@ -241,7 +248,6 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
         os.replace(tmp, store)
     except OSError:  # the store directory exists and is not empty: another writer finished first
         shutil.rmtree(tmp)
-    return stats
 
 
 def sharded_stats(plan: FitPlan, samples: list, progress=None, description: str = "stage 1: statistics",
@@ -257,8 +263,53 @@ def sharded_stats(plan: FitPlan, samples: list, progress=None, description: str 
         raise ConfigError(f"{description}: no samples to accumulate")
     reused = sum(stats_stored(plan, shard) for shard in shards)
     task = progress.add_task(description, total=len(samples)) if progress is not None else None
-    parts = [shard_stats(plan, shard, progress, description, task=task) for shard in shards]
+    if reused < len(shards) and _on_ray(plan.config):
+        parts = ray_shard_stats(plan, shards, progress, task)
+    else:
+        parts = [shard_stats(plan, shard, progress, description, task=task) for shard in shards]
     return merge_stats(parts), {"shards": len(shards), "reused": reused, "computed": len(shards) - reused}
+
+
+def _on_ray(config: FitConfig) -> bool:
+    from tasks.cluster import use_ray
+
+    return use_ray(config.workers, config.ray_address)
+
+
+def ray_shard_stats(plan: FitPlan, shards: list[list], progress=None, task=None) -> list[dict]:
+    """Statistics of every shard, in shard order: finished shards read from the store, the others computed on
+    `config.workers` Ray actors (tasks/cluster.py) that load the pair once, then stored here under their content
+    address. The sums equal `shard_stats`'s bit for bit (same weights, checked by signature; same kernels).
+
+    Raises:
+        ClusterError: the cluster cannot be reached or a worker failed. PairMismatchError: a worker holds other weights.
+    """
+    from tasks.cluster import ordered_map, workers_for
+    from translators.gram import GramStats
+
+    config = plan.config
+    todo = [i for i, shard in enumerate(shards) if not stats_stored(plan, shard)]
+    actors = workers_for(config.source, config.target, workers=config.workers, address=config.ray_address,
+                         signatures=plan.signatures, use_gpu=config.gpu)
+    spec = {"candidates": plan.candidates, "point": config.point, "weighting": config.weighting}
+
+    def finished(k: int, stats: dict) -> None:
+        store_shard(plan, shards[todo[k]], stats)
+        if progress is not None and task is not None:
+            progress.advance(task, len(shards[todo[k]]))
+
+    payloads = [[(s.prefix_ids, s.continuation_ids) for s in shards[i]] for i in todo]
+    computed = dict(zip(todo, ordered_map(actors, "gram_shard", payloads, spec, on_result=finished)))
+    parts = []
+    for i, shard in enumerate(shards):
+        if i in computed:
+            parts.append(computed[i])
+            continue
+        if progress is not None and task is not None:
+            progress.advance(task, len(shard))
+        store = stats_store(plan, shard)
+        parts.append({name: GramStats.load(store / f"{name}.safetensors") for name in object_names(plan.target.layout)})
+    return parts
 
 
 def merge_stats(parts: list[dict]) -> dict:
@@ -352,6 +403,38 @@ def distill(
     return distilled, summary
 
 
+def distill_on_ray(plan: FitPlan, closed_form, summary: dict[str, Any], *, lr: float | None = None,
+                   seed: int | None = None, cell_dir: Path | None = None) -> tuple[Any, dict[str, Any]]:
+    """`distill` on an idle Ray actor of the pair (tasks/cluster.py), stage 2 in that actor's process; several
+    threads may call it at once (sweep cells run concurrently, one per actor). Checkpoints and artifacts go to
+    `cell_dir` (a filesystem the actors share with this process). Returns what `distill` returns.
+
+    Raises:
+        ClusterError, NonFiniteError (a diverged cell), ConfigError.
+    """
+    from tasks.cluster import on_free_actor, workers_for
+
+    config = plan.config
+    actors = workers_for(config.source, config.target, workers=config.workers, address=config.ray_address,
+                         signatures=plan.signatures, use_gpu=config.gpu)
+    payload = {
+        "config": config.model_copy(update={"workers": 1, "gpu": False, "ray_address": None}),
+        "train": plan.train, "val": plan.val, "candidates": plan.candidates, "out": str(plan.out),
+        "signatures": plan.signatures, "data_manifest": plan.data_manifest, "fingerprint_fields": plan.fingerprint_fields,
+        "closed_form": closed_form, "summary": summary, "lr": lr, "seed": seed,
+        "cell_dir": str(cell_dir) if cell_dir else None,
+    }
+    return on_free_actor(actors, "call", _distill_in_actor, payload)
+
+
+def _distill_in_actor(source, target, payload: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Runs in a Ray actor holding the pair: the plan rebuilt around the actor's models, then `distill`."""
+    plan = FitPlan(payload["config"], source, target, payload["train"], payload["val"], payload["candidates"],
+                   Path(payload["out"]), payload["signatures"], payload["data_manifest"], payload["fingerprint_fields"])
+    return distill(plan, payload["closed_form"], payload["summary"], lr=payload["lr"], seed=payload["seed"],
+                   cell_dir=Path(payload["cell_dir"]) if payload["cell_dir"] else None)
+
+
 def distill_seeds(plan: FitPlan, closed_form, summary: dict[str, Any]) -> dict[str, Any]:
     """Stage 2 once per seed of `config.seeds` (default: `config.seed` alone), all from the same closed form.
 
@@ -398,6 +481,9 @@ def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, run_sign
     checkpoints = out / "checkpoints"
     if not config.resume:
         shutil.rmtree(checkpoints, ignore_errors=True)
+    from tasks.cluster import release_workers
+
+    release_workers()  # stage 1's (or an evaluation's) Ray actors would hold the CPUs Ray Train's workers need
     if config.workers == 1:
         with progress_bars() as progress:
             task = progress.add_task("stage 2: distillation", total=config.steps)

@@ -40,6 +40,18 @@ def gram_shard_task(plan: FitPlan, samples: list) -> str:
     return stats_key(plan, samples)
 
 
+@task(name="gram-statistics-ray", cache_policy=NO_CACHE)
+def ray_stats_task(plan: FitPlan, shards: list[list]) -> dict[str, int]:
+    """Every shard's statistics on Ray actors (tasks/cluster.py); finished shards are skipped (content-addressed
+    store). Returns {"shards", "reused", "computed"}."""
+    from tasks.fit import ray_shard_stats, stats_stored
+
+    reused = sum(stats_stored(plan, shard) for shard in shards)
+    if reused < len(shards):
+        ray_shard_stats(plan, shards)
+    return {"shards": len(shards), "reused": reused, "computed": len(shards) - reused}
+
+
 def load_shards(plan: FitPlan, shards: list[list]) -> dict:
     return merge_stats([shard_stats(plan, shard) for shard in shards])
 
@@ -61,3 +73,17 @@ def eval_task(config) -> dict:
     from tasks.evaluate import run_eval
 
     return run_eval(config)
+
+
+@task(name="multiturn-handoff", cache_policy=NO_CACHE)
+def multiturn_task(model_a: str, model_b: str, fit_dir_ab: Path, fit_dir_ba: Path, **options) -> dict:
+    from tasks.multiturn import run_multiturn
+
+    return run_multiturn(model_a, model_b, fit_dir_ab=fit_dir_ab, fit_dir_ba=fit_dir_ba, **options)
+
+
+@task(name="switch-speed", cache_policy=NO_CACHE)
+def speed_task(config) -> dict:
+    from tasks.bench_speed import run_speed
+
+    return run_speed(config)

@@ -48,3 +48,18 @@ def finished_cell_task(cell_key: str, experiment_name: str) -> dict[str, Any] | 
         return None
     run = runs[0]
     return {"run_id": run.info.run_id, "val_kl": run.data.metrics.get("val_kl.distilled")}
+
+
+@task(name="log-result", cache_policy=NO_CACHE)
+def log_result_task(kind: str, result: dict) -> str:
+    """Log a multi-turn ("multiturn") or switch-speed ("speed") result as an MLflow run (registry.bench_runs)."""
+    from registry.bench_runs import log_multiturn_run, log_speed_run
+
+    return {"multiturn": log_multiturn_run, "speed": log_speed_run}[kind](result)
+
+
+@task(name="report-page", cache_policy=NO_CACHE)
+def report_page_task(path: Path) -> dict[str, Any]:
+    from registry.html_report import write_html_report
+
+    return write_html_report(path)

@@ -24,12 +24,13 @@ from evals.benchmarks._spec import (
     BenchmarkSpec,
     BenchmarkUnavailableError,
     ItemScores,
+    merge_shards,
 )
 from translators.errors import ConfigError
 
 __all__ = [
     "SUITES", "SUITE_HELP", "BenchContext", "BenchmarkSpec", "BenchmarkUnavailableError", "ItemScores",
-    "all_specs", "get", "suite", "default_suite", "unknown_benchmark_message", "markdown_table",
+    "merge_shards", "all_specs", "get", "suite", "default_suite", "unknown_benchmark_message", "markdown_table",
 ]
 
 

@@ -30,14 +30,18 @@ def embedded_samples(context: BenchContext, limit: int) -> list:
 
 
 def kl_per_item(context: BenchContext, condition, limit: int) -> dict[str, torch.Tensor]:
-    """item id → KL(target native ‖ condition) at each continuation position: [m] per item (nats)."""
+    """item id → KL(target native ‖ condition) at each continuation position: [m] per item (nats); only the items
+    of `context.shard`."""
     def build():
         from evals.conditions import continuation_logits
         from translators.continuation import kl_per_position, teacher_logits
 
         out = {}
+        samples = embedded_samples(context, limit)
         with torch.no_grad():
-            for i, s in enumerate(embedded_samples(context, limit)):
+            for i, s in enumerate(samples):
+                if not context.owns(i, len(samples)):  # another item shard scores it (evaluation on Ray)
+                    continue
                 def teacher(s=s):
                     return teacher_logits(context.target.model, s.prefix_ids, s.continuation_ids)
 
@@ -50,5 +54,6 @@ def kl_per_item(context: BenchContext, condition, limit: int) -> dict[str, torch
                 out[str(i)] = kl_per_position(teacher_out, student).cpu()
         return out
 
-    # Keyed by the condition object: every benchmark reading these KLs shares one pass per condition.
-    return context.cached(("kl_per_item", limit, id(condition)), build)
+    # Keyed by the condition object (and item shard): every benchmark reading these KLs shares one pass per
+    # condition.
+    return context.cached(("kl_per_item", limit, id(condition), context.shard), build)

@@ -1,5 +1,9 @@
 """lm-eval benchmarks on local files (`evals.lm_eval_tasks`): one runner per task, scores keyed by lm-eval's
-doc id under the task's own metric and filter (declared by the benchmark's module, never guessed from its name)."""
+doc id under the task's own metric and filter (declared by the benchmark's module, never guessed from its name).
+
+Not item-sharded (their specs leave `item_shards` False): lm-eval runs a task as a whole, taking the first
+`limit` docs of the materialised data and numbering them itself (the doc ids that pair conditions), and batches
+and reorders the task's requests; one Ray unit scores a condition's whole task."""
 
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ def check_lengths(context: BenchContext) -> list[str]:
 
 
 def runner(haystack: str, essay_file: str | None = None):
-    """run(context, condition, limit): `limit` items per length, ids "<length>/<index>"."""
+    """run(context, condition, limit): `limit` items per length, ids "<length>/<index>"; scores only the items of
+    `context.shard` (the specs set item_shards)."""
 
     def run(context, condition, limit: int) -> dict[str, float]:
         from evals.ruler import build_ruler_items, score_ruler
@@ -33,6 +34,8 @@ def runner(haystack: str, essay_file: str | None = None):
         items = context.cached(("ruler_items", haystack, limit), build)
         scores = {}
         for i, item in enumerate(items):
+            if not context.owns(i, len(items)):  # another item shard scores it (evaluation on Ray)
+                continue
             ids = chat_prompt(tokenizer, item.prompt(), item.answer_prefix)
             if not fits(context, ids, ANSWER_TOKENS):
                 continue

@@ -3,13 +3,19 @@
 A runner is `run(context, condition, limit) -> {item id: score}`: it builds its items deterministically from
 the context (so every condition scores the same items) and scores them under one `evals.conditions.Condition`.
 An item a condition could not score is left out of that condition's mapping; rows pair conditions by id.
+
+Item shards (evaluation on Ray, tasks/evaluate.py): a spec with `item_shards=True` has a runner that scores only
+the items `context.owns(index, total)` gives its shard (`context.shard`, (index, count); (0, 1), every item, by
+default). Shard k of n owns the k-th of n contiguous blocks of the runner's deterministic item list, so the
+shards' mappings concatenated in shard order (`merge_shards`) are the one-process mapping: same ids, same scores,
+same order (the bootstrap CIs read the items in that order).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,7 @@ class BenchContext:
     data_dir: the folder holding the local benchmark files (`--data-dir`), or None.
     options: benchmark-specific settings by name (e.g. "ruler_lengths", "judge_url", "judge_model").
     memo: per-evaluation cache for work shared by conditions or benchmarks (items, teacher logits), see `cached`.
+    shard: (index, count): the item shard a runner with `item_shards` scores (`owns`); (0, 1) is every item.
     """
 
     source: Any = None
@@ -57,6 +64,23 @@ class BenchContext:
     max_new_tokens: int = 24
     options: dict[str, Any] = field(default_factory=dict)
     memo: dict[Any, Any] = field(default_factory=dict)
+    shard: tuple[int, int] = (0, 1)
+
+    def __post_init__(self) -> None:
+        index, count = self.shard
+        if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count):
+            raise ConfigError(f"item shard {self.shard!r} must be (index, count) with 0 ≤ index < count")
+
+    def for_shard(self, index: int, count: int) -> BenchContext:
+        """This context scoring item shard `index` of `count` (sharing the memo: items, teacher logits)."""
+        return replace(self, shard=(index, count))
+
+    def owns(self, index: int, total: int) -> bool:
+        """Whether this shard scores item `index` (0-based) of a runner's `total` items in their deterministic
+        order: shard k of n owns indices [total·k // n, total·(k+1) // n), a contiguous block, so concatenating the
+        shards' mappings in shard order restores the one-process order. Always True for the (0, 1) shard."""
+        k, n = self.shard
+        return total * k // n <= index < total * (k + 1) // n
 
     def cached(self, key: Any, build: Callable[[], Any]) -> Any:
         """build() once per key for the whole evaluation (every condition and benchmark shares it)."""
@@ -96,6 +120,9 @@ class BenchmarkSpec:
         benchmark needs (a judge model, sensible lengths).
     row_groups: item ids are "<group>/<id>" and rows are reported per group as "<name>_<group>" (RULER reports
         one row per context length); ids are paired within a group.
+    item_shards: the runner scores only the items `context.owns` assigns to `context.shard` (and reports no
+        per-shard `extra`), so evaluation on Ray may split its items over workers; False: one unit scores all
+        of a condition's items (runners that score their items jointly: lm-eval tasks, the MT-Bench judge).
     """
 
     name: str
@@ -107,6 +134,7 @@ class BenchmarkSpec:
     description: str = ""
     check: Callable[[BenchContext], list[str]] | None = None
     row_groups: bool = False
+    item_shards: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -141,3 +169,22 @@ class BenchmarkSpec:
             alternatives = (entry,) if isinstance(entry, str) else tuple(entry)
             parts.append(alternatives[0] + (f" (or {', '.join(alternatives[1:])})" if len(alternatives) > 1 else ""))
         return ", ".join(parts)
+
+
+def merge_shards(parts: Sequence[Mapping[str, float]]) -> ItemScores:
+    """One condition's {item id: score} from its item shards' mappings, given in shard order (see
+    `BenchContext.owns`): their concatenation, which is the one-process mapping in its order. The shards' `extra`
+    entries are merged too (item-sharded runners report none).
+
+    Raises:
+        ConfigError: two shards scored one item differently (a runner whose items are not deterministic).
+    """
+    merged = ItemScores()
+    for part in parts:
+        for item, score in part.items():
+            if item in merged and merged[item] != score:
+                raise ConfigError(f"item {item!r} was scored {merged[item]} and {score} by two shards: a runner's "
+                                  "items must be the same in every process")
+            merged.setdefault(item, score)
+        merged.extra.update(getattr(part, "extra", None) or {})
+    return merged

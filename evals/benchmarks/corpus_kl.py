@@ -18,5 +18,6 @@ SPEC = BenchmarkSpec(
     metric="KL(target native ‖ condition), nats/token, mean over the continuation",
     higher_is_better=False,
     run=run,
+    item_shards=True,
     description="teacher-forced continuation KL on held-out embedded chats (0 for target native)",
 )

@@ -16,5 +16,6 @@ SPEC = BenchmarkSpec(
     metric="KL(target native ‖ condition) at the first answer token, nats",
     higher_is_better=False,
     run=run,
+    item_shards=True,
     description="the same held-out chats as corpus_kl, first answer token only",
 )

@@ -1,7 +1,11 @@
 """mt_bench_judge: MT-Bench single-answer grading (1–10) of each condition's answer to a question's first turn,
 by an LLM judge (an OpenAI-compatible endpoint, or a zoo model run locally). A verdict that does not parse
 leaves the question out of that condition (counted in the row's extra `n_unparseable`); a judge that cannot be
-reached makes the benchmark an error entry while the other benchmarks' results are kept."""
+reached makes the benchmark an error entry while the other benchmarks' results are kept.
+
+Not item-sharded (`item_shards` False): the judge (possibly a zoo model loaded locally) is built once per
+evaluation and grades a condition's answers together, and the row's `n_unparseable` counts over all of them; one
+Ray unit scores a condition's questions (a few dozen at most)."""
 
 from __future__ import annotations
 

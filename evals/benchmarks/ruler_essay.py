@@ -16,5 +16,6 @@ SPEC = BenchmarkSpec(
     required_files=(ESSAY_FILE,),
     check=check_lengths,
     row_groups=True,
+    item_shards=True,
     description="RULER NIAH, essay haystack, rows `ruler_essay_<length>`",
 )

@@ -16,5 +16,6 @@ SPEC = BenchmarkSpec(
     run=runner("noise"),
     check=check_lengths,
     row_groups=True,
+    item_shards=True,
     description="RULER NIAH, noise haystack, rows `ruler_noise_<length>` (needs a model that follows instructions)",
 )

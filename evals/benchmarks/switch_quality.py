@@ -24,6 +24,8 @@ def run(context, condition, limit: int) -> dict[str, float]:
     stops = stop_ids(target.tokenizer)
     scores = {}
     for i, ids in enumerate(prefixes):
+        if not context.owns(i, len(prefixes)):  # another item shard scores it (evaluation on Ray)
+            continue
         if not fits(context, ids, context.max_new_tokens):
             continue
         reference = context.cached(("switch_quality_native", limit, i),
@@ -38,5 +40,6 @@ SPEC = BenchmarkSpec(
     metric="token F1 of the greedy continuation against the target's native one (token ids), fraction",
     higher_is_better=True,
     run=run,
+    item_shards=True,
     description="held-out switch prefixes (`infra.prompts.heldout_prefixes`): continuation agreement after a switch",
 )

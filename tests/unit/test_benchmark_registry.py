@@ -150,8 +150,11 @@ def test_toy_module_appears_in_suite_preflight_eval_and_fit(toy_benchmark, qwen_
 
 
 class SimpleFit:
+    """The FitConfig fields `_benchmarks` reads: the pair and the one-process switch."""
+
     def __init__(self, model):
         self.source = self.target = model
+        self.workers, self.ray_address = 1, None
 
 
 def test_row_groups_give_one_row_per_group():
