@@ -23,5 +23,16 @@ def run_demo(*, steps: int | None = None, eval_limit: int | None = None, data_di
     if html is not None:
         check_page_path(html)
     use_tracking_store()  # fail fast on an unreachable tracking server, before any compute
+    _build_embedded_pair()
     start_local_prefect_api()
     return demo_flow(steps=steps, eval_limit=eval_limit or DEMO_EVAL_LIMIT, data_dir=data_dir, html=html)
+
+
+def _build_embedded_pair() -> None:
+    """Build (first run) or find the two embedded models here, before the flow: the build is ten minutes of small
+    torch steps that run measurably slower inside the flow's task threads beside Prefect's API workers."""
+    from flows.pipeline import DEMO_PAIR
+    from infra.tiny_models import ensure_tiny_model
+
+    for name in sorted(DEMO_PAIR, key=lambda n: n != "kvlingo-tiny-s"):  # tiny-l grows from tiny-s
+        ensure_tiny_model(name)
