@@ -29,8 +29,9 @@ def run_demo(*, steps: int | None = None, eval_limit: int | None = None, data_di
 
 
 def _build_embedded_pair() -> None:
-    """Build (first run) or find the two embedded models here, before the flow: the build is ten minutes of small
-    torch steps that run measurably slower inside the flow's task threads beside Prefect's API workers."""
+    """Build (first run) or find the two embedded models here, before the flow starts: the one-time build (about
+    11 minutes on 2 cores) then shows its own progress bars and fails before any MLflow run is opened, and the
+    flow's task timings are those of the fits alone."""
     from flows.pipeline import DEMO_PAIR
     from infra.tiny_models import ensure_tiny_model
 
