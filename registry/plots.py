@@ -34,16 +34,21 @@ def kl_curve(history: list[dict[str, Any]], path: Path, *, title: str) -> Path |
             ax.plot(*zip(*train), label="train KL", linewidth=1.2)
         if val:
             ax.plot(*zip(*val), "o-", label="validation KL", linewidth=1.5)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("KL (nats/token)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        _save_line_plot(fig, ax, path, xlabel="optimizer step", ylabel="KL (nats/token)", title=title)
     finally:
         plt.close(fig)
     return path
+
+
+def _save_line_plot(fig, ax, path: Path, *, xlabel: str, ylabel: str, title: str) -> None:
+    """Label, grid and legend one line plot, then write it as PNG (the layout every line plot of a run shares)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def assignment_matrix(assignment: dict[str, dict[str, list[int]]]) -> dict[str, list[list[float]]]:
@@ -155,14 +160,8 @@ def multiturn_per_turn(modes: dict[str, dict[str, Any]], path: Path, *, title: s
         for mode, row in modes.items():
             turns = range(1, len(row["per_turn"]) + 1)
             ax.plot(turns, row["per_turn"], "o-", label=f"{mode} (mean {row['mean']:.2f})")
-        ax.set_xlabel("turn (holder alternates A, B, A, …)")
-        ax.set_ylabel("recall")
         ax.set_ylim(-0.05, 1.05)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        _save_line_plot(fig, ax, path, xlabel="turn (holder alternates A, B, A, …)", ylabel="recall", title=title)
     finally:
         plt.close(fig)
     return path
