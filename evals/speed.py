@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -221,3 +221,63 @@ def _row(n, switch_runs, prefill_runs, peaks: tuple[float, float], translator, f
         repeats=repeats,
     )
 
+
+
+# --- Cross-tokenizer pairs ------------------------------------------------------------------------
+
+
+def measure_speed_cross(
+    source: Side, target: Side, translator: Translator, sample, *, repeats: int = 3, decode_tokens: int = 16,
+) -> SpeedRow:
+    """`measure_speed` for a cross-tokenizer prompt (`translators.cross.CrossSample`): the switch translates the
+    source's content tokens, writes them at their assigned positions and has the target prefill its own
+    boilerplate (`mixed_cache`) — all inside translate_s — then steps on the last prompt token. n is the target's
+    prompt length (what re-prefill reads).
+
+    Raises:
+        ConfigError: repeats < 1 or decode_tokens < 1.
+    """
+    from translators.cross import mixed_cache, positioned_step, source_capture, translated_tensors
+
+    if repeats < 1 or decode_tokens < 1:
+        raise ConfigError(f"need repeats ≥ 1 and decode_tokens ≥ 1 (got {repeats}, {decode_tokens})")
+    prompt_ids = sample.target_ids
+    n = int(prompt_ids.numel())
+    point = translator.point
+    with torch.no_grad():
+        held = source_capture(source, sample, point)  # the source's cache: untimed
+
+    def switch_cache():
+        return mixed_cache(target.model, target.layout, sample, translated_tensors(translator, held, sample), point)
+
+    def first_logits(cache):
+        return positioned_step(n - 1)(target.model, cache, prompt_ids[-1:])
+
+    switch_runs, prefill_runs = [], []
+    device = target.model.device
+    for r in range(repeats):
+        last = r == repeats - 1
+        with torch.no_grad():
+            sync(device)
+            t0 = time.perf_counter()
+            cache = switch_cache()
+            sync(device)
+            translate_s = time.perf_counter() - t0
+            logits = first_logits(cache)
+            first = int(torch.argmax(logits))
+            ttft = time.perf_counter() - t0
+            decode = None
+            if last:
+                decoded = decode_from(target.model, cache, logits, GenerationSettings(max_new_tokens=decode_tokens + 1),
+                                      step=positioned_step(n))
+                decode = len(decoded.step_s) / decoded.decode_s if decoded.decode_s > 0 else None
+        switch_runs.append(_Run(ttft, translate_s, first, decode))
+        prefill_runs.append(_prefill_path(target, prompt_ids, decode_tokens if last else 0))
+    with torch.no_grad(), peak_memory(device) as switch_peak:
+        first_logits(switch_cache())
+    with torch.no_grad(), peak_memory(device) as prefill_peak:
+        _first_logits(target.model, DynamicCache(config=target.model.config), prompt_ids)
+    row = _row(n, switch_runs, prefill_runs, (switch_peak.mb, prefill_peak.mb), None, flop_model(target.model, target.layout),
+               repeats)
+    map_flops = translator.flops_per_token() * int(sample.translated.numel())
+    return replace(row, map_flops=map_flops, flop_ratio=row.prefill_flops / (map_flops + row.step_flops))

@@ -24,10 +24,10 @@ def item_sha256(item: Any) -> str:
 
 
 def samples_sha256(samples: Sequence[Any]) -> str:
-    """Hash of the token ids of (prefix, continuation) samples, in order: what the models actually read."""
+    """Hash of the token ids of samples (same-tokenizer or cross-tokenizer), in order: what the models actually read."""
     h = hashlib.sha256()
     for s in samples:
-        h.update(s.prefix_ids.numpy().tobytes() + b"|" + s.continuation_ids.numpy().tobytes() + b";")
+        h.update(s.fingerprint_bytes() + b";")
     return h.hexdigest()
 
 

@@ -9,6 +9,13 @@ from translators.errors import PairMismatchError
 from translators.translator import Translator
 
 
+def same_tokenizer(source: LoadedModel, target: LoadedModel) -> bool:
+    """Whether the pair shares token ids position for position (else it needs the cross-tokenizer alignment)."""
+    if source.identity["tokenizer_sha256"] == target.identity["tokenizer_sha256"]:
+        return True
+    return source.tokenizer.get_vocab() == target.tokenizer.get_vocab()  # only normalisation metadata differs
+
+
 def check_same_tokenizer(source: LoadedModel, target: LoadedModel) -> None:
     """Same-tokenizer pairs share token ids position for position; refuse others, naming the difference.
 

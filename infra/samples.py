@@ -45,6 +45,10 @@ class Sample:
     continuation_ids: torch.Tensor
     conversation: int
 
+    def fingerprint_bytes(self) -> bytes:
+        """The token ids as bytes, for content hashes of the data a fit read."""
+        return self.prefix_ids.numpy().tobytes() + b"|" + self.continuation_ids.numpy().tobytes()
+
 
 # --- Shared helpers -----------------------------------------------------------------------------
 

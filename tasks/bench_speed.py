@@ -69,8 +69,9 @@ def check_lengths(lengths: list[int], max_positions: int, decode_tokens: int, mo
 def run_speed(config: SpeedBenchConfig) -> dict[str, Any]:
     """Measure every length; returns the public JSON object {"rows": [...], ...metadata}."""
     from evals.memory import MEASURE
-    from evals.speed import measure_speed
-    from infra.pairs import check_same_tokenizer
+    from evals.speed import measure_speed, measure_speed_cross
+    from infra.cross_samples import cross_prompt_of_length
+    from infra.pairs import same_tokenizer
     from infra.prompts import prompt_of_length
     from translators.stage1 import Side
 
@@ -79,23 +80,37 @@ def run_speed(config: SpeedBenchConfig) -> dict[str, Any]:
         torch.set_num_threads(config.threads)  # both paths run in this process with the same threads
     started = time.perf_counter()
     source, target = _load_pair(config.source, config.target)
-    check_same_tokenizer(source, target)
+    cross = not same_tokenizer(source, target)
     for loaded in (source, target):
-        check_lengths(config.lengths, loaded.layout.max_positions, config.decode_tokens, loaded.name)
+        # A cross-tokenizer source renders the same text in its own tokens: leave it room for a longer rendering.
+        slack = 2 if cross and loaded is source else 1
+        check_lengths([n * slack for n in config.lengths], loaded.layout.max_positions, config.decode_tokens, loaded.name)
     translator, described = _translator(config, source, target)
     src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
     point = translator.point if translator is not None else config.point
-    prompts = {n: prompt_of_length(target.tokenizer, n, seed=config.seed) for n in config.lengths}
+    if cross and translator is None:
+        raise ConfigError(f"{source.name} and {target.name} tokenize differently: the identity cannot serve them; "
+                          "pass a fitted translator (--translator PATH|models:/NAME@ALIAS) or none for a quick closed form")
+    if cross:
+        def prompt(n: int):
+            return cross_prompt_of_length(source.tokenizer, target.tokenizer, n, seed=config.seed)
+
+        def measure(prompt_, repeats: int, decode_tokens: int):
+            return measure_speed_cross(src, tgt, translator, prompt_, repeats=repeats, decode_tokens=decode_tokens)
+    else:
+        def prompt(n: int):
+            return prompt_of_length(target.tokenizer, n, seed=config.seed)
+
+        def measure(prompt_, repeats: int, decode_tokens: int):
+            return measure_speed(src, tgt, translator, prompt_, point=point, repeats=repeats, decode_tokens=decode_tokens)
+    prompts = {n: prompt(n) for n in config.lengths}
     # Warm-up (discarded): first calls allocate workspaces and pick kernels.
-    warm = prompt_of_length(target.tokenizer, min(WARMUP_TOKENS, *config.lengths), seed=config.seed)
-    measure_speed(src, tgt, translator, warm, point=point, repeats=1, decode_tokens=1)
+    measure(prompt(max(WARMUP_TOKENS, min(config.lengths))), 1, 1)
     rows = []
     with _progress() as progress:
         task = progress.add_task("bench speed", total=len(config.lengths))
         for n in config.lengths:
-            row = measure_speed(src, tgt, translator, prompts[n], point=point, repeats=config.repeats,
-                                decode_tokens=config.decode_tokens)
-            rows.append(row.as_dict())
+            rows.append(measure(prompts[n], config.repeats, config.decode_tokens).as_dict())
             progress.advance(task)
     device = target.model.device
     return {
@@ -128,6 +143,7 @@ def _translator(config: SpeedBenchConfig, source, target):
         ConfigError: a malformed reference. PairMismatchError: a translator fitted for other models.
     """
     from registry.translator_ref import load_translator_ref, parse_translator_ref
+    from infra.pairs import same_tokenizer
     from translators.switch import identity_translator
 
     if config.translator is not None:
@@ -138,7 +154,25 @@ def _translator(config: SpeedBenchConfig, source, target):
     if source.name == target.name:
         # Dense identity maps: exact, and they cost what a real ν=1 translator costs.
         return identity_translator(target.layout, config.point), "identity (dense ν=1 identity maps)"
+    if not same_tokenizer(source, target):
+        return (_quick_cross_closed_form(config, source, target),
+                f"closed form fitted on {FIT_SAMPLES} aligned {FIT_WINDOW}-token prompts (depth, ν=1)")
     return _quick_closed_form(config, source, target), f"closed form fitted on {FIT_SAMPLES}×{FIT_WINDOW} corpus tokens (depth, ν=1)"
+
+
+def _quick_cross_closed_form(config: SpeedBenchConfig, source, target):
+    """`_quick_closed_form` for a cross-tokenizer pair: aligned one-message prompts instead of windows."""
+    from infra.cross_samples import cross_prompt_of_length
+    from translators.cross import accumulate_cross
+    from translators.stage1 import Side, assign_layers, candidate_layers, empty_stats, solve_translator
+
+    samples = [cross_prompt_of_length(source.tokenizer, target.tokenizer, FIT_WINDOW, seed=config.seed + 1 + k)
+               for k in range(FIT_SAMPLES)]
+    src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
+    candidates = candidate_layers(source.layout, target.layout, "depth", 1)
+    stats = accumulate_cross(empty_stats(source.layout, target.layout, candidates), src, tgt, samples, config.point)
+    assignment = assign_layers(stats, source.layout, target.layout, "depth", 1)
+    return solve_translator(stats, assignment, source.layout, target.layout, config.point, ridge=1e-3)
 
 
 def _quick_closed_form(config: SpeedBenchConfig, source, target):

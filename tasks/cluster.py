@@ -96,12 +96,14 @@ class PairWorker:
         return True
 
     def gram_shard(self, spec: dict[str, Any], samples: list) -> dict:
-        """fp64 statistics {object name: GramStats} of one shard (`samples`: (prefix ids, continuation ids))."""
-        from translators.stage1 import Side, accumulate_pair, empty_stats
+        """fp64 statistics {object name: GramStats} of one shard (`samples`: (prefix ids, continuation ids), or
+        cross-tokenizer samples)."""
+        from translators.cross import accumulate_samples
+        from translators.stage1 import Side, empty_stats
 
         src, tgt = Side(self.source.model, self.source.layout), Side(self.target.model, self.target.layout)
         stats = empty_stats(self.source.layout, self.target.layout, spec["candidates"])
-        accumulate_pair(stats, src, tgt, samples, spec["point"], weighting=spec["weighting"])
+        accumulate_samples(stats, src, tgt, samples, spec["point"], weighting=spec["weighting"])
         return stats
 
     def call(self, fn: Callable, *args) -> Any:

@@ -139,14 +139,15 @@ def candidate_sets(source: ModelShape, target: ModelShape, assignment: str, nu: 
     Raises:
         ConfigError: unknown assignment, ν out of range, a target attention type the source lacks.
     """
-    from translators.assignment import check_assignment_name, relative_depth, same_type_candidates
+    from translators.assignment import all_candidates, check_assignment_name, corresponding_types, relative_depth
 
     check_assignment_name(assignment)
     if nu < 1 or nu > source.n_layers:
         raise ConfigError(f"ν = {nu} must be between 1 and the source depth ({source.n_layers} layers)")
+    types = corresponding_types(list(source.layer_types), list(target.layer_types))
     if assignment == "depth":
-        return relative_depth(source.n_layers, target.n_layers, nu, list(source.layer_types), list(target.layer_types))
-    return same_type_candidates(list(source.layer_types), list(target.layer_types))
+        return relative_depth(source.n_layers, target.n_layers, nu, *types)
+    return all_candidates(source.n_layers, target.n_layers, *types)
 
 
 def gram_counts(candidates: dict[int, tuple[int, ...]]) -> dict[str, int]:

@@ -124,28 +124,42 @@ def _latest_fit_or_pair_dir(source: str, target: str) -> Path:
 
 
 def build_conditions(config: EvalConfig, source, target) -> dict[str, Any]:
-    """Condition name → evals.conditions.Condition (translators verified against the loaded pair)."""
+    """Condition name → evals.conditions.Condition (translators verified against the loaded pair); for a pair whose
+    models tokenize differently, evals.cross_conditions.CrossCondition (each model renders items itself)."""
     from evals.conditions import empty_prefix, source_native, target_native, translated
-    from infra.pairs import load_for_pair
+    from evals.cross_conditions import cross_conditions
+    from infra.pairs import load_for_pair, same_tokenizer
     from registry.translator_ref import load_translator_ref, parse_translator_ref
     from translators.stage1 import Side
 
-    src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
-    conditions = {"target_native": target_native(tgt), "source_native": source_native(src),
-                  "empty_prefix": empty_prefix(tgt)}
-    anchors = len(conditions)
     fit_dir = Path(config.fit_dir) if config.fit_dir else _latest_fit_or_pair_dir(source.name, target.name)
-    for stage in ("closed_form", "distilled"):
-        if (fit_dir / stage / "manifest.json").is_file():
-            conditions[stage] = translated(src, tgt, load_for_pair(fit_dir / stage, source, target))
+    translators = {stage: load_for_pair(fit_dir / stage, source, target) for stage in ("closed_form", "distilled")
+                   if (fit_dir / stage / "manifest.json").is_file()}
     for ref in map(parse_translator_ref, config.translators):  # PATH | models:/NAME@ALIAS | identity
-        conditions[ref.label] = translated(src, tgt, load_translator_ref(ref, source, target))
-    if len(conditions) == anchors:
+        translators[ref.label] = load_translator_ref(ref, source, target)
+    if not translators:
         raise ConfigError(
             f"no translator to evaluate: {fit_dir} holds no closed_form/ or distilled/ artifact. Run "
             f"`kvlingo fit {source.name} {target.name}` first, or pass --translator PATH|URI|identity"
         )
+    if not same_tokenizer(source, target):
+        return cross_conditions(source, target, translators)
+    src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
+    conditions = {"target_native": target_native(tgt), "source_native": source_native(src),
+                  "empty_prefix": empty_prefix(tgt)}
+    for label, translator in translators.items():
+        conditions[label] = translated(src, tgt, translator)
     return conditions
+
+
+def cross_tokenizer_specs(specs: list) -> tuple[list, list[dict[str, str]]]:
+    """The benchmarks that run on a cross-tokenizer pair (spec `conversations`) and an error entry for each other."""
+    runnable = [spec for spec in specs if spec.conversations]
+    names = ", ".join(spec.name for spec in runnable) or "none of the selected ones"
+    errors = [{"benchmark": spec.name, "error": "reads token ids shared by both models, and this pair's models "
+               f"tokenize differently; benchmarks that run across tokenizers: {names} (and needle_codes, "
+               "xquad_multiturn by --benchmark)"} for spec in specs if not spec.conversations]
+    return runnable, errors
 
 
 # -- rows ------------------------------------------------------------------------------------------------------
@@ -202,20 +216,22 @@ def run_eval(config: EvalConfig, *, on_benchmark: Callable[[str], None] | None =
     """Score every selected benchmark under every condition. A benchmark that cannot run for an outside reason
     (a judge endpoint that cannot be reached) is reported as an error entry; the others' results are kept."""
     from evals.benchmarks import BenchmarkUnavailableError
-    from infra.pairs import check_same_tokenizer
+    from infra.pairs import same_tokenizer
     from infra.zoo import load_model
 
     from tasks.cluster import use_ray
 
     specs = preflight(config)
     source, target = load_model(config.source), load_model(config.target)
-    check_same_tokenizer(source, target)
     conditions = build_conditions(config, source, target)
     context = config.context(source, target)
     rows: list[dict[str, Any]] = []
     errors: list[dict[str, str]] = []
+    if not same_tokenizer(source, target):
+        specs, errors = cross_tokenizer_specs(specs)
     if use_ray(config.workers, config.ray_address):
-        rows, errors = _score_on_ray(config, specs, list(conditions), source, target, on_benchmark)
+        rows, ray_errors = _score_on_ray(config, specs, list(conditions), source, target, on_benchmark)
+        errors += ray_errors
     else:
         for spec in specs:
             if on_benchmark:

@@ -92,7 +92,21 @@ class FitPlan:
 
     @property
     def val_pairs(self) -> list:
-        return [(s.prefix_ids, s.continuation_ids) for s in self.val]
+        return model_inputs(self.val)
+
+    @property
+    def cross_tokenizer(self) -> bool:
+        from translators.cross import CrossSample
+
+        return bool(self.train) and isinstance(self.train[0], CrossSample)
+
+
+def model_inputs(samples: list) -> list:
+    """What the numerical core reads of each sample: (prefix ids, continuation ids) for a same-tokenizer pair, the
+    cross-tokenizer sample itself (both renderings and their alignment) otherwise."""
+    from translators.cross import CrossSample
+
+    return [s if isinstance(s, CrossSample) else (s.prefix_ids, s.continuation_ids) for s in samples]
 
 
 def plan_fit(config: FitConfig, loader=None) -> FitPlan:
@@ -102,7 +116,7 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
         ConfigError (all problems at once), PairMismatchError (tokenizers), PrefixTooLongError, ModelUnavailableError.
     """
     from infra.conversations import load_conversations
-    from infra.pairs import check_same_tokenizer
+    from infra.pairs import same_tokenizer
     from infra.samples import build_samples, check_prefix_lengths, split_by_conversation
     from infra.zoo import load_model, model_signature
     from translators.stage1 import candidate_layers
@@ -111,21 +125,23 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
     loader = loader or load_model
     torch.manual_seed(config.seed)
     source, target = loader(config.source), loader(config.target)
-    check_same_tokenizer(source, target)
     candidates = candidate_layers(source.layout, target.layout, config.assignment, config.nu)
     corpus = load_conversations(config.data, limit=config.n_train + config.n_val, seed=config.seed)
-    samples = build_samples(
-        corpus,
-        target.tokenizer,
-        seed=config.seed,
-        max_prefix_tokens=config.max_prefix_tokens,
-        max_continuation_tokens=config.max_continuation_tokens,
-        # Plain-text windows (models without a chat template) use the same caps.
-        prefix_tokens=min(256, config.max_prefix_tokens),
-        continuation_tokens=config.max_continuation_tokens,
-    )
-    for loaded in (source, target):
-        check_prefix_lengths(samples, loaded.layout.max_positions, loaded.name)
+    if same_tokenizer(source, target):
+        samples = build_samples(
+            corpus,
+            target.tokenizer,
+            seed=config.seed,
+            max_prefix_tokens=config.max_prefix_tokens,
+            max_continuation_tokens=config.max_continuation_tokens,
+            # Plain-text windows (models without a chat template) use the same caps.
+            prefix_tokens=min(256, config.max_prefix_tokens),
+            continuation_tokens=config.max_continuation_tokens,
+        )
+        for loaded in (source, target):
+            check_prefix_lengths(samples, loaded.layout.max_positions, loaded.name)
+    else:
+        samples = _cross_samples(config, corpus, source, target)
     train, val = split_by_conversation(samples, val_fraction=config.n_val / (config.n_train + config.n_val), seed=config.seed)
     signatures = {"source": model_signature(source), "target": model_signature(target)}
     manifest = build_manifest(corpus, train, val)
@@ -135,6 +151,26 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
     dump_config(config, out / "config.yaml")
     (out / "data_manifest.json").write_text(json.dumps(manifest, indent=1))
     return FitPlan(config, source, target, train, val, candidates, out, signatures, manifest, fields)
+
+
+def _cross_samples(config: FitConfig, corpus, source, target) -> list:
+    """Cross-tokenizer samples (App. K) of a chat corpus: each model renders the conversations in its own format.
+
+    Raises:
+        ConfigError: a text corpus or the attention weighting (not supported across tokenizers yet).
+        AlignmentError: a tokenizer without character offsets.
+    """
+    from infra.cross_samples import cross_chat_samples
+
+    if corpus.kind != "chat":
+        raise ConfigError(f"{source.name} and {target.name} tokenize differently: fitting them needs chat data "
+                          f"(each model renders the conversations in its own format); {config.data!r} is plain text")
+    if config.weighting != "uniform":
+        raise ConfigError("cross-tokenizer pairs fit with the uniform weighting only (drop --weighting attention)")
+    limit = min(source.layout.max_positions, target.layout.max_positions)
+    return cross_chat_samples(corpus.items, source.tokenizer, target.tokenizer, seed=config.seed,
+                              max_prefix_tokens=min(config.max_prefix_tokens, limit - config.max_continuation_tokens),
+                              max_continuation_tokens=config.max_continuation_tokens)
 
 
 def claim_run_dir(out: Path, fields: dict[str, Any], *, resume: bool) -> None:
@@ -170,6 +206,9 @@ def stats_key(plan: FitPlan, samples: list) -> str:
     setup = [plan.signatures, plan.config.point, plan.config.weighting, sorted(plan.candidates.items())]
     h.update(json.dumps(setup, sort_keys=True, default=str).encode())
     for sample in samples:
+        if plan.cross_tokenizer:
+            h.update(sample.fingerprint_bytes())
+            continue
         h.update(sample.prefix_ids.numpy().tobytes())
         if plan.config.weighting == "attention":  # the weights depend on the continuation too
             h.update(b"+" + sample.continuation_ids.numpy().tobytes())
@@ -215,8 +254,9 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
     A shard is written to a temporary directory and renamed into place, so a killed process never leaves a
     half-written shard under its final name.
     """
+    from translators.cross import accumulate_samples
     from translators.gram import GramStats
-    from translators.stage1 import accumulate_pair, empty_stats
+    from translators.stage1 import empty_stats
 
     store = stats_store(plan, samples)
     if stats_stored(plan, samples):
@@ -227,9 +267,8 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
     stats = empty_stats(plan.source.layout, plan.target.layout, plan.candidates)
     if progress is not None and task is None:
         task = progress.add_task(description, total=len(samples))
-    accumulate_pair(stats, src, tgt, ((s.prefix_ids, s.continuation_ids) for s in samples), plan.config.point,
-                    weighting=plan.config.weighting,
-                    on_sample=(lambda _n: progress.advance(task)) if progress is not None else None)
+    accumulate_samples(stats, src, tgt, model_inputs(samples), plan.config.point, weighting=plan.config.weighting,
+                       on_sample=(lambda _n: progress.advance(task)) if progress is not None else None)
     # A temporary directory of this process and thread: two fits of the same pair (threads of a Prefect flow, or
     # a CLI fit beside a sweep) may finish the same shard at once. The content address makes their results
     # identical, so whichever rename lands first wins and the other discards its copy.
@@ -298,7 +337,7 @@ def ray_shard_stats(plan: FitPlan, shards: list[list], progress=None, task=None)
         if progress is not None and task is not None:
             progress.advance(task, len(shards[todo[k]]))
 
-    payloads = [[(s.prefix_ids, s.continuation_ids) for s in shards[i]] for i in todo]
+    payloads = [model_inputs(shards[i]) for i in todo]
     computed = dict(zip(todo, ordered_map(actors, "gram_shard", payloads, spec, on_result=finished)))
     parts = []
     for i, shard in enumerate(shards):
@@ -320,7 +359,8 @@ def merge_stats(parts: list[dict]) -> dict:
 def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any, dict[str, Any]]:
     """Assignment, closed-form maps, held-out R², validation KL beside the two controls; saves the artifact."""
     from translators.artifact import save_translator
-    from translators.stage1 import assign_layers, heldout_r2, random_like, solve_translator, validation_kl
+    from translators.cross import alignment_summary, validation_kl_for as validation_kl
+    from translators.stage1 import assign_layers, heldout_r2, random_like, solve_translator
 
     config = plan.config
     src, tgt = plan.sides
@@ -335,6 +375,8 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         "empty_prefix": validation_kl(src, tgt, pairs, None, condition="empty_prefix"),
         "random_map": validation_kl(src, tgt, pairs, random_like(translator, seed=config.seed)),
     }
+    if plan.cross_tokenizer:  # the target's own boilerplate alone (BOS, headers): what translated content adds to
+        kl["boilerplate_only"] = validation_kl(src, tgt, pairs, None, condition="boilerplate_only")
     summary = {
         "source": plan.source.name,
         "target": plan.target.name,
@@ -357,12 +399,15 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         "fingerprint": plan.fingerprint,
         "data_manifest": {k: v for k, v in plan.data_manifest.items() if k not in ("train", "val")},
     }
+    if plan.cross_tokenizer:
+        summary["alignment"] = alignment_summary(plan.train)
     save_translator(
         translator,
         plan.out / "closed_form",
         **plan.signatures,
         fit={"stage": "closed_form", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "r2": summary["r2"],
-             "fingerprint": plan.fingerprint, "data_manifest": plan.data_manifest},
+             "fingerprint": plan.fingerprint, "data_manifest": plan.data_manifest,
+             **({"alignment": summary["alignment"]} if "alignment" in summary else {})},
     )
     return translator, summary
 
@@ -377,7 +422,7 @@ def distill(
     a re-run of a finished cell free).
     """
     from translators.artifact import save_translator
-    from translators.stage1 import validation_kl
+    from translators.cross import validation_kl_for as validation_kl
 
     updates = {k: v for k, v in (("lr", lr), ("seed", seed)) if v is not None}
     config = plan.config.model_copy(update=updates)
@@ -398,7 +443,8 @@ def distill(
         out / "distilled",
         **plan.signatures,
         fit={"stage": "distilled", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "steps": config.steps,
-             "lr": config.lr, "fingerprint": fingerprint(fields), "data_manifest": plan.data_manifest},
+             "lr": config.lr, "fingerprint": fingerprint(fields), "data_manifest": plan.data_manifest,
+             **({"alignment": summary["alignment"]} if "alignment" in summary else {})},
     )
     return distilled, summary
 
@@ -476,7 +522,7 @@ def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, run_sign
         seed=config.seed,
         objective=Objective(config.objective, ce_weight=config.ce_weight),
     )
-    train_pairs = [(s.prefix_ids, s.continuation_ids) for s in train]
+    train_pairs = model_inputs(train)
     translator = copy.deepcopy(closed_form)
     checkpoints = out / "checkpoints"
     if not config.resume:

@@ -91,6 +91,23 @@ def _by_type(
     return groups
 
 
+def corresponding_types(
+    src_types: Sequence[Hashable], tgt_types: Sequence[Hashable]
+) -> tuple[list[Hashable] | None, list[Hashable] | None]:
+    """The per-layer types an assignment must respect, or (None, None) when it may ignore them.
+
+    Pairs that both mix sliding and global layers (Gemma-3 generations) map sliding to sliding and global to global
+    (the same-type rule). When the two models' type sets differ (SmolLM2: all global; Gemma-3: 5 sliding : 1 global)
+    the types do not correspond: the same-type rule would refuse the pair (no sliding source layer) or send every
+    source layer into the target's few global layers. Any source layer may then feed any target layer, relative
+    depth or the data-driven rules choosing; a sliding target layer reads only its window of a translated cache, as
+    of any other. Measured on SmolLM2 ↔ Gemma-3-270M: README, "Cross-tokenizer pairs".
+    """
+    if set(src_types) == set(tgt_types):
+        return list(src_types), list(tgt_types)
+    return None, None
+
+
 def same_type_candidates(src_types: Sequence[Hashable], tgt_types: Sequence[Hashable]) -> Assignment:
     """Every source layer of the target layer's attention type, per target layer.
 

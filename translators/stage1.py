@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from translators.assignment import check_assignment_name, greedy, r2_assignment, relative_depth, same_type_candidates
+from translators.assignment import (
+    all_candidates,
+    check_assignment_name,
+    corresponding_types,
+    greedy,
+    r2_assignment,
+    relative_depth,
+)
 from translators.capture import MODEL_STATE_LOCK, capture
 from translators.continuation import cache_logits, kl_per_position, no_prefix_logits, teacher_logits
 from translators.errors import ConfigError
@@ -42,11 +49,17 @@ def candidate_layers(source: CacheLayout, target: CacheLayout, method: str, nu: 
         ConfigError: unknown method (with suggestion), ν < 1 or larger than the source depth.
     """
     check_assignment_name(method)
+    src_types, tgt_types = matched_attention_types(source, target)
     if method == "depth":
-        return relative_depth(source.n_layers, target.n_layers, nu, source.attention_types, target.attention_types)
+        return relative_depth(source.n_layers, target.n_layers, nu, src_types, tgt_types)
     if nu > source.n_layers:
         raise ConfigError(f"ν = {nu} is larger than the source depth ({source.n_layers} layers)")
-    return same_type_candidates(source.attention_types, target.attention_types)
+    return all_candidates(source.n_layers, target.n_layers, src_types, tgt_types)
+
+
+def matched_attention_types(source: CacheLayout, target: CacheLayout) -> tuple[list[str] | None, list[str] | None]:
+    """`assignment.corresponding_types` of the two layouts' attention types (None, None: types are ignored)."""
+    return corresponding_types(source.attention_types, target.attention_types)
 
 
 def empty_stats(
@@ -135,7 +148,7 @@ def assign_layers(stats: dict[str, GramStats], source: CacheLayout, target: Cach
     """The assignment {object name: {target layer: source layers}} for the objects `stats` holds; each object
     (keys, values) is ranked separately (greedy, R²)."""
     if method == "depth":
-        band = relative_depth(source.n_layers, target.n_layers, nu, source.attention_types, target.attention_types)
+        band = relative_depth(source.n_layers, target.n_layers, nu, *matched_attention_types(source, target))
         return {name: band for name in stats}
     choose = greedy if method == "greedy" else r2_assignment
     return {name: choose(object_stats, nu) for name, object_stats in stats.items()}

@@ -28,16 +28,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from translators.capture import Capture, capture
+from translators.cross import CrossSample, cross_sample_loss, teacher_hidden_cross, validation_kl_for
 from translators.distill import Objective, sample_loss, teacher_hidden
 from translators.errors import ConfigError, NonFiniteError, PairMismatchError
-from translators.stage1 import Side, validation_kl
+from translators.stage1 import Side
 from translators.translator import Translator
 
 # Memory for the source captures one trainer keeps across epochs (see Trainer._source_capture): 600 embedded
 # conversations take about 0.3 GB; a large pair's long prefixes run past it and are captured at each visit.
 CAPTURE_CACHE_BYTES = 2 << 30
 
-Sample = tuple[torch.Tensor, torch.Tensor]  # (prefix_ids [n], continuation_ids [m])
+# (prefix_ids [n], continuation_ids [m]) of a same-tokenizer pair, or a cross-tokenizer sample (App. K).
+Sample = tuple[torch.Tensor, torch.Tensor] | CrossSample
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ class Trainer:
             raise ConfigError("empty training set: stage 2 needs at least one conversation")
         if not self.val:
             raise ConfigError("empty validation set: hold out at least one conversation for stage 2")
-        for prefix, continuation in list(self.train) + list(self.val):
+        for sample in list(self.train) + list(self.val):
+            continuation = sample.continuation_ids if isinstance(sample, CrossSample) else sample[1]
             if continuation.numel() < 1:
                 raise ConfigError("zero-length continuation in the stage-2 data: every sample needs ≥ 1 continuation token")
         self.params = list(self.translator.parameters())
@@ -186,6 +189,8 @@ class Trainer:
         return loss_value
 
     def _sample_loss(self, i: int) -> torch.Tensor:
+        if isinstance(self.train[i], CrossSample):
+            return self._cross_sample_loss(i)
         prefix, continuation = self.train[i]
         if i not in self._teachers:  # the frozen target's own prefill never changes: compute once per sample
             self._teachers[i] = teacher_hidden(self.target.model, prefix, continuation)
@@ -195,7 +200,17 @@ class Trainer:
             self.settings.objective, teacher=self._teachers[i],
         )
 
-    def _source_capture(self, i: int, prefix: torch.Tensor) -> Capture:
+    def _cross_sample_loss(self, i: int) -> torch.Tensor:
+        """The same loss over a cross-tokenizer sample: the source captures its own rendering, the target reads
+        translated content between its own prefilled boilerplate (`translators.cross`)."""
+        sample = self.train[i]
+        if i not in self._teachers:
+            self._teachers[i] = teacher_hidden_cross(self.target.model, sample)
+        src = self._source_capture(i, sample.source_ids, whole=True)
+        return cross_sample_loss(self.translator, src, self.target, sample, self.settings.objective,
+                                 teacher=self._teachers[i])
+
+    def _source_capture(self, i: int, prefix: torch.Tensor, *, whole: bool = False) -> Capture:
         """The frozen source's capture of prefix[:-1], kept while the cache holds under CAPTURE_CACHE_BYTES.
 
         Every epoch reads the same samples and the source never changes, so a kept capture is bit-identical to
@@ -204,8 +219,8 @@ class Trainer:
         """
         if i in self._captures:
             return self._captures[i]
-        with torch.no_grad():
-            src = capture(self.source.model, self.source.layout, prefix[:-1], self.translator.point)
+        with torch.no_grad():  # a cross-tokenizer source reads its whole rendering (`whole`)
+            src = capture(self.source.model, self.source.layout, prefix if whole else prefix[:-1], self.translator.point)
         size = sum(t.numel() * t.element_size() for tensors in src.objects.values() for t in tensors)
         if self._captured_bytes + size <= CAPTURE_CACHE_BYTES:
             self._captures[i] = src
@@ -214,7 +229,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
-        result = validation_kl(self.source, self.target, self.val, self.translator)
+        result = validation_kl_for(self.source, self.target, self.val, self.translator)
         return {"val_kl": result.mean, "val_kl_se": result.se, "val_first_token_kl": result.first_token}
 
     def run(self, *, stop_after: int | None = None) -> list[dict[str, Any]]:

@@ -45,3 +45,39 @@ def fits(context: BenchContext, ids: torch.Tensor, new_tokens: int) -> bool:
     """Whether a prompt plus `new_tokens` generated tokens fits every model of the pair."""
     limits = [m.layout.max_positions for m in (context.source, context.target) if m is not None]
     return ids.numel() + new_tokens <= min(limits)
+
+
+# --- Conversation-level items: every pair, cross-tokenizer included (`evals.cross_conditions`) -------------------
+
+
+def generate_messages(context: BenchContext, condition, messages: list[dict], max_new_tokens: int) -> str | None:
+    """The greedy answer to `messages` under `condition`, or None when the item does not fit the pair. A
+    same-tokenizer condition reads the target's rendering as token ids; a `CrossCondition` has each model render
+    the conversation in its own format."""
+    from evals.cross_conditions import CrossCondition
+    from evals.cross_conditions import generate_messages as generate_cross
+
+    if isinstance(condition, CrossCondition):
+        return generate_cross(condition, messages, max_new_tokens)
+    tokenizer = context.target.tokenizer
+    ids = messages_prompt(tokenizer, messages)
+    if not fits(context, ids, max_new_tokens):
+        return None
+    return generate(condition, tokenizer, ids, max_new_tokens)
+
+
+def answer_logprob(context: BenchContext, condition, messages: list[dict], answer: str) -> float | None:
+    """log p(answer | messages) in nats under a target-side condition (the answer tokenized on its own by the
+    target's tokenizer), or None when the item does not fit the pair."""
+    from evals.conditions import continuation_logprobs
+    from evals.cross_conditions import CrossCondition
+    from evals.cross_conditions import answer_logprob as cross_logprob
+
+    if isinstance(condition, CrossCondition):
+        return cross_logprob(condition, messages, answer)
+    tokenizer = context.target.tokenizer
+    ids = messages_prompt(tokenizer, messages)
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    if not fits(context, ids, len(answer_ids)):
+        return None
+    return float(continuation_logprobs(condition, ids, answer_ids).sum())

@@ -123,6 +123,9 @@ class BenchmarkSpec:
     item_shards: the runner scores only the items `context.owns` assigns to `context.shard` (and reports no
         per-shard `extra`), so evaluation on Ray may split its items over workers; False: one unit scores all
         of a condition's items (runners that score their items jointly: lm-eval tasks, the MT-Bench judge).
+    conversations: the runner reads its items as conversations through `_common.generate_messages` /
+        `answer_logprob`, which also serve `evals.cross_conditions.CrossCondition`: the benchmark runs on pairs
+        whose models tokenize differently. The others read token ids shared by both models.
     """
 
     name: str
@@ -135,6 +138,7 @@ class BenchmarkSpec:
     check: Callable[[BenchContext], list[str]] | None = None
     row_groups: bool = False
     item_shards: bool = False
+    conversations: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -6,6 +6,7 @@ from tiny_configs import tiny_model
 
 from translators.errors import ConfigError, NonFiniteError
 from translators.layout import cache_layout
+from translators.assignment import relative_depth
 from translators.stage1 import (
     Side,
     accumulate_pair,
@@ -52,12 +53,17 @@ def test_self_translation_recovers_identity_and_native_predictions(qwen, method)
     assert validation_kl(qwen, qwen, val, None, condition="empty_prefix").mean > 1e-3
 
 
-def test_cross_depth_pair_uses_relative_depth_band():
+def test_pair_whose_attention_types_do_not_correspond_maps_across_types():
+    # qwen3 has only global layers, gemma3 mixes sliding and global: the same-type rule would refuse the pair
+    # (no sliding source layer), so types are ignored and relative depth spans the whole source.
     src_model, tgt_model = tiny_model("qwen3", seed=1), tiny_model("gemma3", seed=2)
-    src, tgt = Side(src_model, cache_layout(src_model)), Side(tgt_model, cache_layout(tgt_model))
-    with pytest.raises(ConfigError, match="global"):
-        # The source has no sliding layers: Gemma's sliding layers have no same-type counterpart.
-        candidate_layers(src.layout, tgt.layout, "depth", 1)
+    src, tgt = cache_layout(src_model), cache_layout(tgt_model)
+    band = candidate_layers(src, tgt, "depth", 1)
+    assert band == relative_depth(src.n_layers, tgt.n_layers, 1)
+    assert band == {0: (0,), 1: (1,), 2: (1,), 3: (2,)}
+    # Two mixed-type models keep the rule: sliding reads sliding, global reads global.
+    typed = candidate_layers(tgt, tgt, "depth", 1)
+    assert all(tgt.attention_types[s] == tgt.attention_types[t] for t, srcs in typed.items() for s in srcs)
 
 
 def test_bad_inputs(qwen):

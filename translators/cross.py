@@ -1,0 +1,418 @@
+"""Cross-tokenizer samples and the target cache they translate into (KV-Lingo App. K, Fig. 26).
+
+When the two models tokenize differently, a sample holds each model's own rendering of the prefix. The content
+(the messages' text) is aligned group by group (`translators.alignment`): every content token of the source is
+translated and its key rotated at the position of the target token it is assigned to; the target's boilerplate
+(BOS, turn delimiters, headers, a system prompt only one template injects) has no counterpart, so the target
+prefills it itself on top of what is already cached. The target cache of a prefix therefore interleaves
+translated runs and the target's own prefill, in target order:
+
+    [prefill: <bos> "User" ":"] [translated: Hello there] [prefill: "\\n" "Assistant"]   then decode ":" y_1..
+
+The last target prefix token is always decoded with the continuation, as in the same-tokenizer geometry
+(`translators.continuation`), so the quantity trained is the quantity evaluated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from translators.capture import Capture, capture
+from translators.continuation import kl_per_position
+from translators.distill import Objective, continuation_loss, logits_from_hidden
+from translators.errors import ConfigError
+from translators.generation import Decoded, GenerationSettings, decode_from
+from translators.gram import GramStats
+from translators.layout import CacheLayout, decoder_of
+from translators.objects import CacheObject, cache_objects, engine_tensor
+from translators.stage1 import Side, ValidationKL, accumulate_pair, validation_kl
+from translators.translator import Translator
+
+PREFILL = "prefill"
+TRANSLATED = "translated"
+
+
+@dataclass(frozen=True, eq=False)
+class CrossSample:
+    """One (prefix, continuation) sample of a cross-tokenizer pair.
+
+    Attributes:
+        source_ids: [p] int64, the source's rendering of the prefix.
+        target_ids: [q] int64, the target's rendering of the prefix; its last token is boilerplate (the header
+            the answer follows) and is decoded together with the continuation.
+        continuation_ids: [m] int64, the answer in target tokens (empty for a prompt that is only decoded from).
+        translated: [k] int64, increasing indices into source_ids of the content tokens that are translated.
+        positions: [k] int64, non-decreasing: the target position each translated token's key is rotated at
+            (its assigned target token, App. K).
+        source_group: [k] int64, the alignment group of each translated token.
+        target_group: [q] int64, the alignment group of each target token; -1 for boilerplate (prefilled).
+        conversation: index of the conversation it was cut from (for splitting).
+    """
+
+    source_ids: torch.Tensor
+    target_ids: torch.Tensor
+    continuation_ids: torch.Tensor
+    translated: torch.Tensor
+    positions: torch.Tensor
+    source_group: torch.Tensor
+    target_group: torch.Tensor
+    conversation: int
+
+    def __post_init__(self) -> None:
+        q, k = self.target_ids.numel(), self.translated.numel()
+        if q < 2:
+            raise ConfigError("a cross-tokenizer sample needs ≥ 2 target prefix tokens (one cached, one decoded)")
+        if self.target_group.shape != (q,) or any(t.shape != (k,) for t in (self.positions, self.source_group)):
+            raise ConfigError("translated, positions and source_group must have one entry per translated token, "
+                              "target_group one per target prefix token")
+        if int(self.target_group[-1]) != -1:
+            raise ConfigError("the last target prefix token must be boilerplate (it is decoded with the continuation)")
+        if k and (int(self.positions.max()) >= q - 1 or int(self.positions.min()) < 0):
+            raise ConfigError("translated positions must lie inside the cached target prefix [0, q-1)")
+
+    def fingerprint_bytes(self) -> bytes:
+        """Both renderings, the continuation and the alignment as bytes, for content hashes of the data."""
+        parts = (self.source_ids, self.target_ids, self.continuation_ids, self.translated, self.positions,
+                 self.source_group, self.target_group)
+        return b"|".join(t.numpy().tobytes() for t in parts)
+
+    @property
+    def n_prefilled(self) -> int:
+        """Target prefix tokens the target computes itself (boilerplate, the decoded last token included)."""
+        return int((self.target_group < 0).sum())
+
+    def segments(self) -> list[tuple[str, int, int]]:
+        """The target cache of target_ids[:-1] as runs in target order: (PREFILL, lo, hi) prefills
+        target_ids[lo:hi] at positions lo..hi-1; (TRANSLATED, lo, hi) writes translated tokens lo..hi-1 (indices
+        into `translated`) at their `positions`. Groups are contiguous and in the same order on both sides, so a
+        run of content target tokens owns a contiguous block of translated tokens."""
+        groups = self.target_group[:-1].tolist()
+        source_group = self.source_group.tolist()
+        runs: list[tuple[str, int, int]] = []
+        cursor = 0  # next translated token
+        start = 0
+        while start < len(groups):
+            content = groups[start] >= 0
+            end = start
+            while end < len(groups) and (groups[end] >= 0) == content:
+                end += 1
+            if content:
+                last_group = groups[end - 1]
+                stop = cursor
+                while stop < len(source_group) and source_group[stop] <= last_group:
+                    stop += 1
+                if stop > cursor:
+                    runs.append((TRANSLATED, cursor, stop))
+                cursor = stop
+            else:
+                runs.append((PREFILL, start, end))
+            start = end
+        return runs
+
+
+def _check_continuation(sample: CrossSample) -> None:
+    if sample.continuation_ids.numel() < 1:
+        raise ConfigError("zero-length continuation: every training or validation sample needs ≥ 1 continuation token")
+
+
+def group_mean_targets(rows: torch.Tensor, target_group: torch.Tensor, source_group: torch.Tensor) -> torch.Tensor:
+    """Stage-1 regression targets: for each translated source token, the mean of its group's target rows.
+
+    Args:
+        rows: [q, d] target rows (one per target prefix token).
+        target_group: [q] group per target token, -1 for boilerplate.
+        source_group: [k] group per translated source token.
+    Returns:
+        [k, d] in the dtype of `rows`.
+    """
+    content = target_group >= 0
+    n_groups = int(target_group.max()) + 1 if bool(content.any()) else 0
+    sums = rows.new_zeros((n_groups, rows.shape[1])).index_add_(0, target_group[content], rows[content])
+    counts = torch.bincount(target_group[content], minlength=n_groups).to(rows.dtype).clamp_min(1)
+    return (sums / counts[:, None])[source_group]
+
+
+def accumulate_cross(
+    stats: dict[str, GramStats],
+    source: Side,
+    target: Side,
+    samples: Sequence[CrossSample],
+    point: str,
+    objects: tuple[CacheObject, ...] | None = None,
+    on_sample: Callable[[int], None] | None = None,
+) -> dict[str, GramStats]:
+    """Add paired statistics of each sample's aligned tokens to `stats` (in place): the source's capture of each
+    translated token against the mean of its group's target captures (App. K, "Initialising the translators").
+
+    Raises:
+        NonFiniteError: a capture holds NaN/Inf.
+    """
+    objects = cache_objects(target.layout) if objects is None else objects
+    with torch.no_grad():
+        for sample in samples:
+            if sample.translated.numel() == 0:  # nothing to regress (cross_sample never builds these)
+                continue
+            src = capture(source.model, source.layout, sample.source_ids, point, objects)
+            tgt = capture(target.model, target.layout, sample.target_ids, point, objects)
+            src.check_finite("source")
+            tgt.check_finite("target")
+            for obj in objects:
+                xs = [x[sample.translated] for x in src.objects[obj.name]]
+                ys = [group_mean_targets(y, sample.target_group, sample.source_group) for y in tgt.objects[obj.name]]
+                stats[obj.name].accumulate(xs, ys)
+            if on_sample:
+                on_sample(sample.target_ids.numel())
+    return stats
+
+
+def mixed_cache(
+    model: nn.Module,
+    layout: CacheLayout,
+    sample: CrossSample,
+    tensors: Mapping[str, Sequence[torch.Tensor]] | None,
+    point: str,
+) -> DynamicCache:
+    """The target's cache of target_ids[:-1]: translated runs written at their assigned positions, boilerplate
+    prefilled by the target itself on top of what precedes it. Differentiable in `tensors` (the prefills attend
+    to translated content, so gradients reach it through them too).
+
+    Args:
+        tensors: cache object name → per target layer [k, width] translated tensors at `point`, in
+            `cache_objects(layout)` order; None writes nothing (the `empty_prefix`-style control keeps only the
+            boilerplate).
+    """
+    objects = cache_objects(layout)
+    dtype = next(model.parameters()).dtype
+    cache = DynamicCache(config=model.config)
+    decoder = decoder_of(model)
+    for kind, lo, hi in sample.segments():
+        if kind == PREFILL:
+            ids = sample.target_ids[lo:hi].view(1, -1).to(model.device)
+            positions = torch.arange(lo, hi, device=model.device).view(1, -1)
+            decoder(input_ids=ids, cache=cache, use_cache=True, position_ids=positions)
+        elif tensors is not None:
+            positions = sample.positions[lo:hi]
+            for i in range(layout.n_layers):
+                engine = [engine_tensor(obj, model, layout, i, tensors[obj.name][i][lo:hi].to(dtype), point=point,
+                                        positions=positions) for obj in objects]
+                cache.update(*engine, i)
+    return cache
+
+
+def student_hidden_cross(
+    model: nn.Module, layout: CacheLayout, sample: CrossSample, tensors: Mapping[str, Sequence[torch.Tensor]] | None,
+    point: str,
+) -> torch.Tensor:
+    """Final hidden states [m, d] of the target decoding its last prefix token and y_{1:m-1} on the mixed cache."""
+    cache = mixed_cache(model, layout, sample, tensors, point)
+    q = sample.target_ids.numel()
+    ids = torch.cat([sample.target_ids[-1:], sample.continuation_ids[:-1]]).view(1, -1).to(model.device)
+    positions = torch.arange(q - 1, q - 1 + ids.shape[1], device=model.device).view(1, -1)
+    return decoder_of(model)(input_ids=ids, cache=cache, use_cache=True, position_ids=positions).last_hidden_state[0]
+
+
+def teacher_hidden_cross(model: nn.Module, sample: CrossSample) -> torch.Tensor:
+    """The target's own prefill of its rendering and y_{1:m-1}: final hidden states [m, d] (no grad)."""
+    m = sample.continuation_ids.numel()
+    ids = torch.cat([sample.target_ids, sample.continuation_ids[:-1]]).view(1, -1).to(model.device)
+    with torch.no_grad():
+        return decoder_of(model)(input_ids=ids, use_cache=False).last_hidden_state[0, -m:].detach()
+
+
+def source_capture(source: Side, sample: CrossSample, point: str) -> Capture:
+    """The source's capture of its whole rendering (boilerplate included: it conditions the content)."""
+    return capture(source.model, source.layout, sample.source_ids, point)
+
+
+def translated_tensors(translator: Translator, cap: Capture, sample: CrossSample) -> dict[str, list[torch.Tensor]]:
+    """The translator applied to the content tokens of a source capture: name → per target layer [k, width]."""
+    content = {name: [x[sample.translated] for x in layers] for name, layers in cap.objects.items()}
+    return translator.translate_objects(content)
+
+
+def cross_sample_loss(
+    translator: Translator, cap: Capture, target: Side, sample: CrossSample, objective: Objective,
+    teacher: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stage-2 loss of one cross-tokenizer sample (KL through the frozen target over the mixed cache).
+
+    Raises:
+        ConfigError: an empty continuation.
+    """
+    _check_continuation(sample)
+    if teacher is None:
+        teacher = teacher_hidden_cross(target.model, sample)
+    student = student_hidden_cross(target.model, target.layout, sample, translated_tensors(translator, cap, sample),
+                                   translator.point)
+    return continuation_loss(target.model, student, teacher, sample.continuation_ids, objective)
+
+
+CONTROL_CONDITIONS = ("translated", "boilerplate_only", "empty_prefix")
+
+
+def cross_validation_kl(
+    source: Side, target: Side, samples: Sequence[CrossSample], translator: Translator | None,
+    *, condition: str = "translated",
+) -> ValidationKL:
+    """KL(target native ‖ condition) per continuation token over cross-tokenizer samples.
+
+    condition: "translated" (mixed cache with the translator's content), "boilerplate_only" (the mixed cache with
+    no content at all: what the target's own boilerplate alone gives) or "empty_prefix" (no cache: the target
+    reads only its last prefix token, the same control as for same-tokenizer pairs).
+
+    Raises:
+        ConfigError: empty set, unknown condition, or "translated" without a translator.
+    """
+    if not samples:
+        raise ConfigError("empty validation set: hold out at least one conversation (raise the sample count)")
+    for sample in samples:
+        _check_continuation(sample)
+    if condition not in CONTROL_CONDITIONS:
+        raise ConfigError(f"unknown condition {condition!r}; choose from {', '.join(CONTROL_CONDITIONS)}")
+    if condition == "translated" and translator is None:
+        raise ConfigError("the translated condition needs a translator")
+    model = target.model
+    means, firsts = [], []
+    with torch.no_grad():
+        for sample in samples:
+            teacher = logits_from_hidden(model, teacher_hidden_cross(model, sample))
+            if condition == "empty_prefix":
+                ids = torch.cat([sample.target_ids[-1:], sample.continuation_ids[:-1]]).view(1, -1).to(model.device)
+                student = logits_from_hidden(model, decoder_of(model)(input_ids=ids, use_cache=False).last_hidden_state[0])
+            else:
+                tensors = None
+                if condition == "translated":
+                    tensors = translated_tensors(translator, source_capture(source, sample, translator.point), sample)
+                point = translator.point if translator is not None else "pre_norm"
+                student = logits_from_hidden(model, student_hidden_cross(model, target.layout, sample, tensors, point))
+            kl = kl_per_position(teacher, student)
+            means.append(kl.mean().item())
+            firsts.append(kl[0].item())
+    n = len(means)
+    mean = sum(means) / n
+    var = sum((x - mean) ** 2 for x in means) / (n - 1) if n > 1 else 0.0
+    return ValidationKL(mean=mean, se=math.sqrt(var / n), first_token=sum(firsts) / n, n=n)
+
+
+def alignment_summary(samples: Sequence[CrossSample]) -> dict[str, Any]:
+    """What the artifact records about the alignment of its fitting data (JSON-able)."""
+    translated = sum(int(s.translated.numel()) for s in samples)
+    prefilled = sum(s.n_prefilled for s in samples)
+    target_tokens = sum(int(s.target_ids.numel()) for s in samples)
+    return {
+        "method": "minimal mismatching groups; source tokens spread over target tokens; keys rotated at the "
+                  "assigned target position; boilerplate prefilled by the target (KV-Lingo App. K)",
+        "samples": len(samples),
+        "translated_source_tokens": translated,
+        "target_prefix_tokens": target_tokens,
+        "target_prefilled_share": prefilled / target_tokens if target_tokens else 0.0,
+    }
+
+
+def validation_kl_for(
+    source: Side, target: Side, samples: Sequence, translator: Translator | None, *, condition: str = "translated",
+) -> ValidationKL:
+    """Validation KL of same-tokenizer (prefix, continuation) pairs or of cross-tokenizer samples, by their type."""
+    if samples and isinstance(samples[0], CrossSample):
+        return cross_validation_kl(source, target, samples, translator, condition=condition)
+    return validation_kl(source, target, samples, translator, condition=condition)
+
+
+def accumulate_samples(
+    stats: dict[str, GramStats], source: Side, target: Side, samples: Sequence, point: str, *,
+    weighting: str = "uniform", on_sample: Callable[[int], None] | None = None,
+) -> dict[str, GramStats]:
+    """Stage-1 statistics of same-tokenizer (prefix, continuation) pairs or of cross-tokenizer samples.
+
+    Raises:
+        ConfigError: the attention weighting on cross-tokenizer samples (its weights are per target position, the
+            regression rows per translated source token: not defined yet).
+    """
+    if samples and isinstance(samples[0], CrossSample):
+        if weighting != "uniform":
+            raise ConfigError("cross-tokenizer pairs fit with the uniform weighting only (drop --weighting attention)")
+        return accumulate_cross(stats, source, target, samples, point, on_sample=on_sample)
+    return accumulate_pair(stats, source, target, samples, point, weighting=weighting, on_sample=on_sample)
+
+
+# --- Reading a cross-tokenizer prefix under one condition: the switch runtime and the benchmarks ----------------
+
+READ_CONDITIONS = ("target_native", "translated", "empty_prefix")
+
+
+def prefix_cache(
+    condition: str, source: Side | None, target: Side, sample: CrossSample, translator: Translator | None,
+) -> tuple[DynamicCache, int]:
+    """The target's cache of its prefix before its last token, under `condition`, and the position at which the
+    last prefix token is read.
+
+    target_native: the target prefills target_ids[:-1] itself. translated: the mixed cache (translated content,
+    boilerplate prefilled). empty_prefix: no cache; the last prefix token is read at position 0, as the
+    same-tokenizer control does.
+
+    Raises:
+        ConfigError: unknown condition, or translated without a source and translator.
+    """
+    if condition not in READ_CONDITIONS:
+        raise ConfigError(f"unknown condition {condition!r}; choose from {', '.join(READ_CONDITIONS)}")
+    model = target.model
+    cache = DynamicCache(config=model.config)
+    q = sample.target_ids.numel()
+    if condition == "empty_prefix":
+        return cache, 0
+    if condition == "target_native":
+        decoder_of(model)(input_ids=sample.target_ids[:-1].view(1, -1).to(model.device), cache=cache, use_cache=True)
+        return cache, q - 1
+    if source is None or translator is None:
+        raise ConfigError("the translated condition needs the source model and a translator")
+    tensors = translated_tensors(translator, source_capture(source, sample, translator.point), sample)
+    return mixed_cache(model, target.layout, sample, tensors, translator.point), q - 1
+
+
+def positioned_step(start: int):
+    """A `generation.decode_from` step that feeds token t at position start + t: a mixed cache holds fewer or more
+    entries than the positions it spans, so positions cannot be inferred from its length."""
+    state = {"next": start}
+
+    def step(model: nn.Module, cache: DynamicCache, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(state["next"], state["next"] + ids.numel(), device=model.device).view(1, -1)
+        state["next"] += ids.numel()
+        out = model(input_ids=ids.view(1, -1).to(model.device), cache=cache, use_cache=True, position_ids=positions,
+                    logits_to_keep=1)
+        return out.logits[0, -1]
+
+    return step
+
+
+def continuation_logprob(
+    condition: str, source: Side | None, target: Side, sample: CrossSample, translator: Translator | None,
+) -> float:
+    """log p_target(continuation | prefix under `condition`), summed over the continuation's tokens (nats)."""
+    with torch.no_grad():
+        cache, position = prefix_cache(condition, source, target, sample, translator)
+        ids = torch.cat([sample.target_ids[-1:], sample.continuation_ids[:-1]])
+        positions = torch.arange(position, position + ids.numel(), device=target.model.device).view(1, -1)
+        out = target.model(input_ids=ids.view(1, -1).to(target.model.device), cache=cache, use_cache=True,
+                           position_ids=positions)
+        log_probs = torch.log_softmax(out.logits[0].float(), dim=-1)
+        return float(log_probs.gather(-1, sample.continuation_ids.view(-1, 1).to(log_probs.device)).sum())
+
+
+def generate_cross(
+    condition: str, source: Side | None, target: Side, sample: CrossSample, translator: Translator | None,
+    settings: GenerationSettings,
+) -> Decoded:
+    """Decode the target's answer after the prefix under `condition` (the sample's continuation is not read): the
+    last prefix token is read on the condition's cache, then the platform's one decoding loop continues."""
+    with torch.no_grad():
+        cache, position = prefix_cache(condition, source, target, sample, translator)
+        first = positioned_step(position)
+        logits = first(target.model, cache, sample.target_ids[-1:])
+        return decode_from(target.model, cache, logits, settings, step=positioned_step(position + 1))
