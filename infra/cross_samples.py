@@ -206,3 +206,67 @@ def cross_prompt_of_length(source_tokenizer: Any, target_tokenizer: Any, n_token
     if sample is None:
         raise ConfigError("the synthetic prompt gave no aligned content between the two tokenizers")
     return sample
+
+
+# --- Plain text: long prefixes from documents ------------------------------------------------------------------
+
+
+def cross_text_prompt(
+    source_tokenizer: Any, target_tokenizer: Any, text: str, *, continuation_ids: Sequence[int] = (),
+    conversation: int = 0,
+) -> CrossSample | None:
+    """A plain-text prefix read by both models (each after the BOS its tokenizer adds by itself), aligned over the
+    whole text. The target decodes its last prefix token with the continuation, so the alignment group holding it
+    is left to the target (prefilled; its source tokens are not translated). None when nothing else aligns.
+
+    Raises:
+        AlignmentError: a tokenizer without offsets, or tokenizations covering different characters of `text`.
+    """
+    src_ids, src_off = token_offsets(source_tokenizer, text)
+    tgt_ids, tgt_off = token_offsets(target_tokenizer, text)
+    src_lead, tgt_lead = _leading_special_ids(source_tokenizer), _leading_special_ids(target_tokenizer)
+    alignment = align(src_off, tgt_off, text=text)
+    last = len(alignment.groups) - 1
+    keep = [i for i, g in enumerate(alignment.group_of_source) if g < last]
+    if not keep:
+        return None
+    target_group = [-1] * len(tgt_lead) + [g if g < last else -1 for g in alignment.group_of_target]
+    long = lambda xs: torch.tensor(list(xs), dtype=torch.long)  # noqa: E731
+    return CrossSample(
+        long(src_lead + src_ids), long(tgt_lead + tgt_ids), long(continuation_ids),
+        translated=long(len(src_lead) + i for i in keep),
+        positions=long(len(tgt_lead) + alignment.assigned[i] for i in keep),
+        source_group=long(alignment.group_of_source[i] for i in keep),
+        target_group=long(target_group), conversation=conversation,
+    )
+
+
+def cross_text_samples(
+    documents: Sequence[Any], source_tokenizer: Any, target_tokenizer: Any, *, seed: int, prefix_tokens: int = 1024,
+    continuation_tokens: int = 64,
+) -> list[CrossSample]:
+    """One random window per document (as `infra.samples.text_samples` draws them, in target tokens): the text of
+    `prefix_tokens` target tokens as the prefix (`cross_text_prompt`), the next `continuation_tokens` target tokens
+    as the continuation. For prefixes longer than the chats (e.g. the RULER essays).
+
+    Raises:
+        ConfigError: no document holds a window.
+        AlignmentError: a tokenizer without offsets.
+    """
+    samples: list[CrossSample] = []
+    needed = prefix_tokens + continuation_tokens
+    for index, document in enumerate(documents):
+        text = document.text if hasattr(document, "text") else str(document)
+        ids, offsets = token_offsets(target_tokenizer, text)
+        if len(ids) < needed:
+            continue
+        start = _rng(seed, index).randint(0, len(ids) - needed)
+        cut = offsets[start + prefix_tokens - 1][1]
+        sample = cross_text_prompt(source_tokenizer, target_tokenizer, text[offsets[start][0]:cut],
+                                   continuation_ids=ids[start + prefix_tokens:start + needed], conversation=index)
+        if sample is not None:
+            samples.append(sample)
+    if not samples:
+        raise ConfigError(f"empty dataset: none of {len(documents)} documents holds a {prefix_tokens}+"
+                          f"{continuation_tokens}-token window of the target's tokens")
+    return samples

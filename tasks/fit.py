@@ -154,20 +154,23 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
 
 
 def _cross_samples(config: FitConfig, corpus, source, target) -> list:
-    """Cross-tokenizer samples (App. K) of a chat corpus: each model renders the conversations in its own format.
+    """Cross-tokenizer samples (App. K): each model renders a chat corpus's conversations in its own format; a
+    text corpus (long documents) gives plain-text windows both models read. The source may need more tokens than
+    the target for the same text, hence half the shorter model's positions for a text window.
 
     Raises:
-        ConfigError: a text corpus or the attention weighting (not supported across tokenizers yet).
+        ConfigError: the attention weighting (not defined across tokenizers yet), no usable sample.
         AlignmentError: a tokenizer without character offsets.
     """
-    from infra.cross_samples import cross_chat_samples
+    from infra.cross_samples import cross_chat_samples, cross_text_samples
 
-    if corpus.kind != "chat":
-        raise ConfigError(f"{source.name} and {target.name} tokenize differently: fitting them needs chat data "
-                          f"(each model renders the conversations in its own format); {config.data!r} is plain text")
     if config.weighting != "uniform":
         raise ConfigError("cross-tokenizer pairs fit with the uniform weighting only (drop --weighting attention)")
     limit = min(source.layout.max_positions, target.layout.max_positions)
+    if corpus.kind != "chat":  # long documents: plain-text windows read by both models (App. K alignment)
+        return cross_text_samples(corpus.items, source.tokenizer, target.tokenizer, seed=config.seed,
+                                  prefix_tokens=min(config.max_prefix_tokens, limit // 2 - config.max_continuation_tokens),
+                                  continuation_tokens=config.max_continuation_tokens)
     return cross_chat_samples(corpus.items, source.tokenizer, target.tokenizer, seed=config.seed,
                               max_prefix_tokens=min(config.max_prefix_tokens, limit - config.max_continuation_tokens),
                               max_continuation_tokens=config.max_continuation_tokens)

@@ -458,3 +458,44 @@ def test_depth_assignment_agrees_with_its_candidates_across_type_sets():
     candidates = candidate_layers(llama, gemma, "depth", 1)
     stats = empty_stats(llama, gemma, candidates)
     assert assign_layers(stats, llama, gemma, "depth", 1) == {"keys": candidates, "values": candidates}
+
+
+# --- Plain-text windows (long documents) --------------------------------------------------------------------
+
+
+TEXT = ("The river flows to the sea, and the old bridge is made of stone. Birds sing in the trees while the "
+        "market is busy today; snow falls in the mountains.")
+
+
+def test_text_prompt_translates_everything_but_the_last_group(tok_a, tok_b):
+    from infra.cross_samples import cross_text_prompt
+    from translators.alignment import align, token_offsets
+
+    sample = cross_text_prompt(tok_a, tok_b, TEXT, continuation_ids=[5, 6])
+    _, src_off = token_offsets(tok_a, TEXT)
+    _, tgt_off = token_offsets(tok_b, TEXT)
+    reference = align(src_off, tgt_off, text=TEXT)
+    lead_b = sample.target_ids.numel() - len(tgt_off)  # tok_b adds its BOS by itself, tok_a adds nothing
+    assert lead_b == 1 and sample.source_ids.numel() == len(src_off)
+    last = len(reference.groups) - 1
+    # Every source token outside the last group is translated, at its assigned target position (after the BOS).
+    expected = [i for i, g in enumerate(reference.group_of_source) if g < last]
+    assert sample.translated.tolist() == expected
+    assert sample.positions.tolist() == [lead_b + reference.assigned[i] for i in expected]
+    # The target prefills its BOS and the last group (whose final token it decodes with the continuation).
+    prefilled = (sample.target_group < 0).nonzero().flatten().tolist()
+    assert prefilled == [0] + [lead_b + j for j in reference.groups[last].target]
+    assert sample.segments()[0] == ("prefill", 0, 1) and sample.segments()[-1][0] in ("prefill", "translated")
+
+
+def test_text_samples_window_in_target_tokens(tok_a, tok_b):
+    from infra.cross_samples import cross_text_samples
+
+    docs = [TEXT * 3, "too short"]
+    samples = cross_text_samples(docs, tok_a, tok_b, seed=0, prefix_tokens=20, continuation_tokens=4)
+    assert len(samples) == 1 and samples[0].conversation == 0
+    assert samples[0].continuation_ids.numel() == 4
+    # The prefix text re-tokenized by the target is about 20 tokens (+ BOS; edges may re-merge by a token).
+    assert abs(samples[0].target_ids.numel() - 21) <= 2
+    with pytest.raises(ConfigError, match="none of 1 documents"):
+        cross_text_samples(["too short"], tok_a, tok_b, seed=0, prefix_tokens=20, continuation_tokens=4)
