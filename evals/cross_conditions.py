@@ -105,16 +105,19 @@ def generate_messages(condition: CrossCondition, messages: list[dict], max_new_t
 
 def answer_logprob(condition: CrossCondition, messages: list[dict], answer: str) -> float | None:
     """log p(answer | messages) in nats under a target condition (the answer tokenized by the target as its render
-    continues: a leading space where the target's format puts one), or None when nothing aligns or it does not fit.
+    continues, `infra.chat.answer_text`: a leading space where the target's format puts one), or None when nothing
+    aligns or it does not fit.
 
     Raises:
         ConfigError: source_native (its log-probabilities are over another vocabulary: not comparable).
     """
+    from infra.chat import answer_text
     from translators.cross import continuation_logprob
 
     if condition.name == SOURCE_NATIVE:
         raise ConfigError("source_native log-probabilities are over the source's vocabulary; compare target conditions")
-    answer_ids = condition.target.tokenizer(answer, add_special_tokens=False)["input_ids"]
+    tokenizer = condition.target.tokenizer
+    answer_ids = tokenizer(answer_text(tokenizer, messages, answer), add_special_tokens=False)["input_ids"]
     sample = _prompt(condition, messages, answer_ids)
     if sample is None or sample.target_ids.numel() + len(answer_ids) > condition.max_prefix_tokens:
         return None

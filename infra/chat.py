@@ -44,6 +44,25 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, genera
     return lines + ("Assistant:" if generation_prompt else "")
 
 
+def answer_text(tokenizer: Any, messages: Sequence[Mapping[str, Any]], answer: str) -> str:
+    """`answer` as the model's format continues after the generation prompt of `messages`: with the space or newline
+    the format puts before it (``"Assistant:"`` is followed by ``" answer"``), without end-of-turn markers. The
+    answer itself when the template changes it beyond recognition.
+
+    Raises:
+        As :func:`render_chat`.
+    """
+    prefix = render_chat(tokenizer, messages, generation_prompt=True)
+    full = render_chat(tokenizer, [*messages, {"role": "assistant", "content": answer}], generation_prompt=False)
+    stripped = answer.strip()
+    if full.startswith(prefix) and stripped:
+        rest = full[len(prefix):]
+        end = rest.find(stripped)
+        if end >= 0:
+            return rest[:end + len(stripped)]
+    return answer
+
+
 def flatten_conversation(messages: Sequence[Mapping[str, Any]]) -> str:
     """A chat as plain text (a document, not a prompt): the plain format's lines joined by newlines, without a
     trailing one, e.g. ``"User: ...\nAssistant: ..."``."""

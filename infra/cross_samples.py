@@ -188,7 +188,8 @@ def cross_chat_samples(
 
 def cross_prompt_of_length(source_tokenizer: Any, target_tokenizer: Any, n_tokens: int, seed: int = 0) -> CrossSample:
     """A one-message conversation of synthetic text whose rendering by the target holds about `n_tokens` tokens
-    (within a few tokens: the text is cut at a target token boundary, then rendered), aligned with the source's.
+    (within a token where the re-rendered text allows: the text is cut at a target token boundary, rendered, and the
+    cut moved by the shortfall), aligned with the source's.
 
     Raises:
         ConfigError: n_tokens too small for the target's template, or no content aligns.
@@ -199,12 +200,18 @@ def cross_prompt_of_length(source_tokenizer: Any, target_tokenizer: Any, n_token
     if n_tokens - overhead < 2:
         raise ConfigError(f"a prompt of {n_tokens} tokens leaves no room for content after the target's "
                           f"{overhead}-token template")
-    ids = prompt_of_length(target_tokenizer, n_tokens - overhead, seed=seed)
-    text = target_tokenizer.decode(ids, skip_special_tokens=True).strip()
-    sample = cross_prompt(source_tokenizer, target_tokenizer, [{"role": "user", "content": text}],
-                          max_prefix_tokens=10 * n_tokens)
-    if sample is None:
-        raise ConfigError("the synthetic prompt gave no aligned content between the two tokenizers")
+    content = n_tokens - overhead
+    for _ in range(4):  # re-rendering may merge or drop tokens at the cut (e.g. <unk> decodes to nothing): adjust
+        ids = prompt_of_length(target_tokenizer, content, seed=seed)
+        text = target_tokenizer.decode(ids, skip_special_tokens=True).strip()
+        sample = cross_prompt(source_tokenizer, target_tokenizer, [{"role": "user", "content": text}],
+                              max_prefix_tokens=10 * n_tokens)
+        if sample is None:
+            raise ConfigError("the synthetic prompt gave no aligned content between the two tokenizers")
+        shortfall = n_tokens - sample.target_ids.numel()
+        if abs(shortfall) <= 1:
+            break
+        content = max(2, content + shortfall)
     return sample
 
 

@@ -17,7 +17,8 @@ def same_tokenizer(source: LoadedModel, target: LoadedModel) -> bool:
 
 
 def check_same_tokenizer(source: LoadedModel, target: LoadedModel) -> None:
-    """Same-tokenizer pairs share token ids position for position; refuse others, naming the difference.
+    """For commands that read token ids shared by both models (multi-turn hand-off, bench step): refuse a pair
+    whose tokenizers differ, naming the difference and the commands that align such pairs.
 
     Raises:
         PairMismatchError: vocabularies (or their ids) differ.
@@ -38,8 +39,9 @@ def check_same_tokenizer(source: LoadedModel, target: LoadedModel) -> None:
     if moved:
         details.append(f"tokens with different ids: {moved}")
     raise PairMismatchError(
-        f"{source.name} and {target.name} use different tokenizers ({'; '.join(details)}). Only same-tokenizer "
-        "pairs are supported so far (cross-tokenizer alignment is planned); pick a pair from one model family."
+        f"{source.name} and {target.name} use different tokenizers ({'; '.join(details)}). This command needs a "
+        "shared tokenizer; pairs that tokenize differently are aligned by `kvlingo fit`, `kvlingo eval` "
+        "(--benchmark needle_codes / xquad_multiturn) and `kvlingo bench speed`. Pick a pair from one model family."
     )
 
 

@@ -67,17 +67,19 @@ def generate_messages(context: BenchContext, condition, messages: list[dict], ma
 
 
 def answer_logprob(context: BenchContext, condition, messages: list[dict], answer: str) -> float | None:
-    """log p(answer | messages) in nats under a target-side condition (the answer tokenized on its own by the
-    target's tokenizer), or None when the item does not fit the pair."""
+    """log p(answer | messages) in nats under a target-side condition (the answer as the target's format continues,
+    `infra.chat.answer_text`), or None when the item does not fit the pair."""
     from evals.conditions import continuation_logprobs
     from evals.cross_conditions import CrossCondition
     from evals.cross_conditions import answer_logprob as cross_logprob
 
     if isinstance(condition, CrossCondition):
         return cross_logprob(condition, messages, answer)
+    from infra.chat import answer_text
+
     tokenizer = context.target.tokenizer
     ids = messages_prompt(tokenizer, messages)
-    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answer_text(tokenizer, messages, answer), add_special_tokens=False)["input_ids"]
     if not fits(context, ids, len(answer_ids)):
         return None
     return float(continuation_logprobs(condition, ids, answer_ids).sum())

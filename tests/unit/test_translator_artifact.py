@@ -69,3 +69,16 @@ def test_missing_or_foreign_manifest(tmp_path):
 def test_assignment_must_cover_every_target_layer():
     with pytest.raises(ConfigError, match="cover target layers"):
         Translator({"keys": {0: (0,), 2: (1,)}, "values": {0: (0,), 2: (1,)}}, 4, 4, "pre_norm")
+
+
+def test_translator_fitted_with_another_tokenizer_is_refused(tmp_path):
+    # Cross-tokenizer artifacts record an alignment that only holds for the tokenizers they were fitted with: the
+    # pair signature pins both tokenizers' hashes, and a model loaded with another tokenizer is refused by name.
+    save_translator(make_translator(), tmp_path / "t", source=SRC, target=TGT,
+                    fit={"stage": "closed_form", "alignment": {"samples": 3}})
+    _, manifest = load_translator(tmp_path / "t", source=SRC, target=TGT)
+    assert manifest["fit"]["alignment"] == {"samples": 3}
+    with pytest.raises(PairMismatchError, match=r"another target model: target\.tokenizer_sha256"):
+        load_translator(tmp_path / "t", source=SRC, target={**TGT, "tokenizer_sha256": "u"})
+    with pytest.raises(PairMismatchError, match=r"source\.tokenizer_sha256"):
+        load_translator(tmp_path / "t", source={**SRC, "tokenizer_sha256": "u"}, target=TGT)
