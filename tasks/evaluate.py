@@ -154,11 +154,13 @@ def build_conditions(config: EvalConfig, source, target) -> dict[str, Any]:
 
 def cross_tokenizer_specs(specs: list) -> tuple[list, list[dict[str, str]]]:
     """The benchmarks that run on a cross-tokenizer pair (spec `conversations`) and an error entry for each other."""
+    from evals.benchmarks import all_specs
+
     runnable = [spec for spec in specs if spec.conversations]
-    names = ", ".join(spec.name for spec in runnable) or "none of the selected ones"
+    capable = ", ".join(name for name, spec in all_specs().items() if spec.conversations)
     errors = [{"benchmark": spec.name, "error": "reads token ids shared by both models, and this pair's models "
-               f"tokenize differently; benchmarks that run across tokenizers: {names} (and needle_codes, "
-               "xquad_multiturn by --benchmark)"} for spec in specs if not spec.conversations]
+               f"tokenize differently; the benchmarks that run across tokenizers are {capable} (--benchmark NAME)"}
+              for spec in specs if not spec.conversations]
     return runnable, errors
 
 
