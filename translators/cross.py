@@ -15,7 +15,6 @@ The last target prefix token is always decoded with the continuation, as in the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -295,10 +294,7 @@ def cross_validation_kl(
             kl = kl_per_position(teacher, student)
             means.append(kl.mean().item())
             firsts.append(kl[0].item())
-    n = len(means)
-    mean = sum(means) / n
-    var = sum((x - mean) ** 2 for x in means) / (n - 1) if n > 1 else 0.0
-    return ValidationKL(mean=mean, se=math.sqrt(var / n), first_token=sum(firsts) / n, n=n)
+    return ValidationKL.of(means, firsts)
 
 
 def alignment_summary(samples: Sequence[CrossSample]) -> dict[str, Any]:

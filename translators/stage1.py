@@ -212,6 +212,14 @@ class ValidationKL:
     first_token: float  # KL at the first continuation token only, mean over samples
     n: int
 
+    @classmethod
+    def of(cls, means: Sequence[float], firsts: Sequence[float]) -> "ValidationKL":
+        """From each sample's mean KL and first-token KL (at least one sample)."""
+        n = len(means)
+        mean = sum(means) / n
+        var = sum((x - mean) ** 2 for x in means) / (n - 1) if n > 1 else 0.0
+        return cls(mean=mean, se=math.sqrt(var / n), first_token=sum(firsts) / n, n=n)
+
 
 def validation_kl(
     source: Side,
@@ -247,7 +255,4 @@ def validation_kl(
             kl = kl_per_position(teacher, student)
             means.append(kl.mean().item())
             firsts.append(kl[0].item())
-    n = len(means)
-    mean = sum(means) / n
-    var = sum((x - mean) ** 2 for x in means) / (n - 1) if n > 1 else 0.0
-    return ValidationKL(mean=mean, se=math.sqrt(var / n), first_token=sum(firsts) / n, n=n)
+    return ValidationKL.of(means, firsts)
