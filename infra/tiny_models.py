@@ -479,7 +479,8 @@ def _progress_bar(enabled: bool, description: str, total: int):
 
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn())
-    progress = Progress(*columns, console=Console(stderr=True), disable=not enabled)
+    # Two refreshes a second instead of rich's ten: redrawing competes with training for the 2 cores.
+    progress = Progress(*columns, console=Console(stderr=True), disable=not enabled, refresh_per_second=2)
     task = progress.add_task(description, total=total, loss="-")
     return progress, task
 

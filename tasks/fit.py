@@ -56,6 +56,7 @@ def progress_bars() -> Progress:
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=Console(stderr=True),  # stdout is reserved for --json
+        refresh_per_second=2,  # rich's 10 redraws a second compete with the fit for 2 cores
     )
 
 
