@@ -26,14 +26,19 @@ OFFLINE_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
     "TOKENIZERS_PARALLELISM": "false",
-    # How long an idle OpenMP thread spins before it sleeps (libgomp, the OpenMP of the pinned torch wheels).
-    # Measured on 2 cores as the mean of the first 120 training steps of the kvlingo-tiny-s build
-    # (`infra.tiny_models.train_tiny_model` with a callback timing each step). One job alone: 0.115 s at
-    # libgomp's default of 300k spins, 0.130 s at 1000, 0.168 s never spinning (OMP_WAIT_POLICY=PASSIVE, the
-    # earlier setting). Two such jobs at once: 0.62 s, 0.24 s, 0.21 s. 1000 keeps most of the speed of one job
-    # (the demo, a fit) without the collapse of two jobs on the same cores (Ray actors, parallel tests).
-    # Only takes effect when set before torch is imported, which entry points do.
-    "GOMP_SPINCOUNT": "1000",
+    # OpenMP threads sleep instead of spinning between parallel regions. On shared or small CPU machines the
+    # spinning made every forward 5-10x slower and noisy (measured here with two jobs on 2 cores). Only takes
+    # effect when set before torch is imported, which entry points do. It has a price for one job alone, measured
+    # as the mean of the first 120 training steps of the kvlingo-tiny-s build (`infra.tiny_models.
+    # train_tiny_model` with a callback timing each step): 0.168 s here against 0.115 s at libgomp's default
+    # spinning and 0.130 s at GOMP_SPINCOUNT=1000; two such jobs at once take 0.21 s, 0.62 s and 0.24 s. With
+    # GOMP_SPINCOUNT=1000 instead, the demo from a fresh clone took 1024 s against 1077 s (embedded-pair build
+    # 554 s against 627 s): too little to trade the two-job case for.
+    "OMP_WAIT_POLICY": "PASSIVE",
+    # torch 2.13's profiler (the CPU memory measurement of `evals.memory`) writes two "USDT: … profiler_start" /
+    # "profiler_stop" lines to stderr each time it runs (24 lines in the demo's output). Kineto logs at level 5;
+    # 6 turns its log off, its error lines included.
+    "KINETO_LOG_LEVEL": "6",
 }
 
 

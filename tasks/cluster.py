@@ -29,7 +29,7 @@ from translators.errors import ConfigError, KvlingoError
 
 # Environment the actors inherit from this process (model store, offline switches).
 _PASSED_ENV = ("KVLINGO_HOME", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
-               "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+               "OMP_WAIT_POLICY")
 
 
 class ClusterError(KvlingoError):

@@ -6,7 +6,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny_configs.py
 
 from infra.settings import apply_offline_defaults, stop_local_services  # noqa: E402
 
-apply_offline_defaults()  # before torch loads: GOMP_SPINCOUNT is read once, at import
+apply_offline_defaults()  # before torch loads: OMP_WAIT_POLICY is read once, at import
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
