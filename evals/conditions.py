@@ -22,10 +22,10 @@ import torch
 from transformers import DynamicCache
 
 from translators.capture import capture, check_length
-from translators.continuation import student_logits
+from translators.continuation import cache_logits
 from translators.errors import ConfigError
 from translators.generation import GenerationSettings, decode_from
-from translators.inject import build_cache, decode_step
+from translators.inject import decode_step, write_cache
 from translators.stage1 import Side
 from translators.switch import check_translator_fits
 from translators.translator import Translator
@@ -127,12 +127,13 @@ def _as_ids(ids: torch.Tensor | list[int], what: str) -> torch.Tensor:
     return t
 
 
-def _translated_kv(condition: Condition, cached_ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Decoder keys/values for `cached_ids` [n-1], captured on the source and translated: per layer [n-1, d_tgt]."""
+def _translated_objects(condition: Condition, cached_ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """The decoder's cache objects for `cached_ids` [n-1], captured on the source and translated: object name →
+    per layer [n-1, width] (GQA: keys, values; MLA: latent, rotary key)."""
     src = capture(condition.source.model, condition.source.layout, cached_ids, condition.point)
     if condition.translator is None:
-        return src.keys, src.values
-    return condition.translator(src.keys, src.values)
+        return src.objects
+    return condition.translator.translate_objects(src.objects, src.token_ids)
 
 
 def continuation_logits(
@@ -164,9 +165,10 @@ def continuation_logits(
         if condition.name in UNTRANSLATED or context.numel() == 1:
             ids = torch.cat([context, continuation[:-1]]).view(1, -1).to(condition.decoder.model.device)
             return condition.decoder.model(input_ids=ids, use_cache=False, logits_to_keep=m).logits[0]
-        keys, values = _translated_kv(condition, context[:-1])
         decoder = condition.decoder
-        return student_logits(decoder.model, decoder.layout, keys, values, condition.point, context, continuation)
+        cache = write_cache(decoder.model, decoder.layout, _translated_objects(condition, context[:-1]),
+                            point=condition.point)
+        return cache_logits(decoder.model, cache, context, continuation)
 
 
 def continuation_logprobs(
@@ -232,6 +234,6 @@ def _first_step(condition: Condition, context: torch.Tensor) -> tuple[DynamicCac
         # A one-token context has no cache to translate: the decoder reads it natively.
         cache = DynamicCache(config=model.config)
         return cache, decode_step(model, cache, context, logits_to_keep=1)[-1]
-    keys, values = _translated_kv(condition, context[:-1])
-    cache = build_cache(model, condition.decoder.layout, keys, values, point=condition.point)
+    cache = write_cache(model, condition.decoder.layout, _translated_objects(condition, context[:-1]),
+                        point=condition.point)
     return cache, decode_step(model, cache, context[-1:], logits_to_keep=1)[-1]

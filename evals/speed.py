@@ -78,8 +78,11 @@ def flop_model(model: nn.Module, layout: CacheLayout) -> FlopModel:
     config = model.config.get_text_config(decoder=True)
     embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None for p in m.parameters()}
     non_embedding = sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    windows = tuple(layer.kv.window if layer.kv.attention != GLOBAL else None for layer in layout.layers)
+    if hasattr(config, "kv_lora_rank"):  # MLA: each query head reads a NoPE part and the shared rotary part
+        head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    windows = tuple(layer.objects[0].window if layer.attention != GLOBAL else None for layer in layout.layers)
     return FlopModel(non_embedding, config.num_attention_heads * head_dim, config.hidden_size, config.vocab_size, windows)
 
 

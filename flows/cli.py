@@ -64,7 +64,7 @@ def doctor(
     tolerance: Annotated[float, typer.Option(help="max |Δlogit| accepted (fp32)")] = 1e-4,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
 ) -> None:
-    """Round-trip check before fitting: capture → inject → one decoding step vs a native prefill.
+    """Round-trip check before fitting: capture → inject → one decoding step vs the model's own prefill + step.
 
     Exit code 0 iff every point reproduces the native logits within tolerance and gradients reach every layer.
     """
@@ -89,6 +89,7 @@ def doctor(
 def _doctor_report(model_name: str, points: list[str], prompt: str, tolerance: float) -> dict:
     from infra.zoo import load_model, resolve_model
     from translators.capture import check_length
+    from translators.objects import object_names
     from translators.roundtrip import roundtrip
 
     resolve_model(model_name)  # fail on a bad name before any loading
@@ -109,6 +110,7 @@ def _doctor_report(model_name: str, points: list[str], prompt: str, tolerance: f
         "family": loaded.layout.family,
         "n_layers": loaded.layout.n_layers,
         "n_tokens": int(ids.numel()),
+        "objects": list(object_names(loaded.layout)),
         "tolerance": tolerance,
         "points": rows,
         "ok": all(r["ok"] for r in rows.values()),
@@ -126,6 +128,8 @@ def fit(
     ridge: Annotated[float | None, typer.Option(help="ridge λ relative to the mean diagonal (0: pseudo-inverse)")] = None,
     head_wise: Annotated[bool | None, typer.Option("--head-wise/--head-mixing", help="block-diagonal maps")] = None,
     weighting: Annotated[str | None, typer.Option(help="stage-1 norm: uniform | attention (App. O)")] = None,
+    token_identity: Annotated[str | None, typer.Option(help="append the target's embedding of each token id to the "
+                              "maps' input: codebook (decoded from the source's layer-0 cache) | ids")] = None,
     data: Annotated[str | None, typer.Option(help="'embedded[:N]', a local json/jsonl file or a HF dataset id")] = None,
     n_train: Annotated[int | None, typer.Option(help="training samples")] = None,
     n_val: Annotated[int | None, typer.Option(help="held-out validation samples")] = None,
@@ -157,7 +161,7 @@ def fit(
 
     overrides = dict(
         source=source, target=target, stage1_only=stage1_only or None, assignment=assignment, nu=nu, point=point,
-        ridge=ridge, head_wise=head_wise, weighting=weighting, data=data, n_train=n_train, n_val=n_val, seed=seed, output_dir=output_dir,
+        ridge=ridge, head_wise=head_wise, weighting=weighting, token_identity=token_identity, data=data, n_train=n_train, n_val=n_val, seed=seed, output_dir=output_dir,
         steps=steps, lr=lr, workers=workers, gpu=gpu, ray_address=ray_address, resume=resume,
     )
     try:

@@ -35,6 +35,10 @@ class FitConfig(BaseModel):
     nu: int = Field(1, ge=1, description="source layers read per target layer")
     ridge: float = Field(0.0, ge=0.0, description="0: eigen pseudo-inverse; >0: ridge λ relative to the mean diagonal")
     head_wise: bool = False
+    token_identity: Literal["codebook", "ids"] | None = Field(
+        None, description="append the target's embedding of each token's id to every map's input (hybrid paper "
+        "§3.4): 'codebook' decodes ids from the source's layer-0 cache, 'ids' takes the prompt's ids; same "
+        "tokenizer only")
     weighting: Literal["uniform", "attention"] = Field(
         "uniform", description="stage-1 norm: uniform (Frobenius) or App. O's attention-weighted norm"
     )

@@ -58,8 +58,9 @@ def load_for_pair(path: str | Path, source: LoadedModel, target: LoadedModel) ->
     """
     from translators.artifact import load_translator
     from translators.switch import check_translator_fits
+    from translators.token_identity import attach_token_identity
 
     translator, _manifest = load_translator(path, source=model_signature(source), target=model_signature(target))
     check_translator_fits(translator, source.layout, target.layout)
     translator.to(target.model.device)
-    return translator
+    return attach_token_identity(translator, source.model, source.layout, target.model)

@@ -110,6 +110,9 @@ def load_translator_ref(ref: TranslatorRef, source_loaded: Any, target_loaded: A
     from infra.zoo import model_signature
     from registry.tracking import load_translator_uri
 
+    from translators.token_identity import attach_token_identity
+
     translator, _manifest = load_translator_uri(ref.text, model_signature(source_loaded), model_signature(target_loaded))
     check_translator_fits(translator, source_loaded.layout, target_loaded.layout)
-    return translator.to(target_loaded.model.device)
+    translator.to(target_loaded.model.device)
+    return attach_token_identity(translator, source_loaded.model, source_loaded.layout, target_loaded.model)

@@ -37,7 +37,7 @@ def run_step_bench(source_name: str, target_name: str, *, prefix_tokens: int = 5
     from translators.distill import Objective, sample_loss, teacher_hidden
     from translators.errors import ConfigError
     from translators.switch import identity_translator
-    from translators.translator import Translator
+    from translators.stage1 import zero_translator
 
     if repeats < 1 or prefix_tokens < 2 or continuation_tokens < 1:
         raise ConfigError("repeats ≥ 1, prefix ≥ 2 and continuation ≥ 1 tokens are required")
@@ -57,7 +57,7 @@ def run_step_bench(source_name: str, target_name: str, *, prefix_tokens: int = 5
 
         band = relative_depth(source.layout.n_layers, target.layout.n_layers, 1, source.layout.attention_types,
                               target.layout.attention_types)
-        translator = Translator({"keys": band, "values": band}, source.layout.kv_width, target.layout.kv_width, "pre_norm")
+        translator = zero_translator(source.layout, target.layout, band, "pre_norm")
         torch.nn.init.normal_(next(iter(translator.maps.values())), std=0.01)
     optimizer = torch.optim.AdamW(translator.parameters(), lr=1e-4, weight_decay=0.0)
     objective = Objective("kl", chunk=128)

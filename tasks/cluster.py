@@ -102,8 +102,15 @@ class PairWorker:
         from translators.stage1 import Side, empty_stats
 
         src, tgt = Side(self.source.model, self.source.layout), Side(self.target.model, self.target.layout)
-        stats = empty_stats(self.source.layout, self.target.layout, spec["candidates"])
-        accumulate_samples(stats, src, tgt, samples, spec["point"], weighting=spec["weighting"])
+        tokens = None
+        if spec["token_identity"]:
+            from translators.token_identity import make_token_identity
+
+            tokens = make_token_identity(spec["token_identity"], self.source.model, self.source.layout,
+                                         self.target.model, spec["point"])
+        stats = empty_stats(self.source.layout, self.target.layout, spec["candidates"],
+                            token_width=tokens.width if tokens else 0)
+        accumulate_samples(stats, src, tgt, samples, spec["point"], weighting=spec["weighting"], token_identity=tokens)
         return stats
 
     def call(self, fn: Callable, *args) -> Any:

@@ -46,12 +46,15 @@ def _translator_payload(translator: Translator) -> dict[str, Any]:
         "d_src": translator.d_src,
         "d_tgt": translator.d_tgt,
         "point": translator.point,
+        "inputs": translator.inputs,
+        "token_identity": translator.token_identity,
         "maps": {name: p.detach().clone() for name, p in translator.maps.items()},
     }
 
 
 def _translator_from_payload(payload: dict[str, Any]) -> Translator:
-    translator = Translator(payload["assignment"], payload["d_src"], payload["d_tgt"], payload["point"])
+    translator = Translator(payload["assignment"], payload["d_src"], payload["d_tgt"], payload["point"],
+                            payload["inputs"], payload["token_identity"])
     for name, value in payload["maps"].items():
         translator.maps[name].data.copy_(value)
     return translator
@@ -64,12 +67,15 @@ def _ray_worker(config: dict[str, Any]) -> None:
 
     from infra.zoo import load_model
     from translators.stage1 import Side
+    from translators.token_identity import attach_token_identity
 
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     torch.set_num_threads(config["threads_per_worker"])
     source, target = load_model(config["source"]), load_model(config["target"])
-    translator = _translator_from_payload(config["translator"])
+    # The token-identity module (embedding, codebook) is rebuilt from the models, not shipped in the payload.
+    translator = attach_token_identity(_translator_from_payload(config["translator"]), source.model, source.layout,
+                                       target.model)
     settings = TrainSettings(**{**config["settings"], "objective": Objective(**config["settings"]["objective"])})
 
     def reduce(tensor: torch.Tensor) -> None:

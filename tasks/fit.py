@@ -75,6 +75,7 @@ class FitPlan:
     data_manifest: dict[str, Any]  # infra.data_manifest.build_manifest of the train/val split
     fingerprint_fields: dict[str, Any]  # infra.fingerprint.fingerprint_fields of the config, pair and data
     started: float = field(default_factory=time.perf_counter)
+    token_identity: Any = None  # translators.token_identity.TokenIdentity when config.token_identity is set
 
     @property
     def fingerprint(self) -> str:
@@ -142,6 +143,9 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
         for loaded in (source, target):
             check_prefix_lengths(samples, loaded.layout.max_positions, loaded.name)
     else:
+        if config.token_identity:
+            raise ConfigError(f"token identity needs one tokenizer, but {source.name} and {target.name} tokenize "
+                              "differently (the ids would index another vocabulary): drop --token-identity")
         samples = _cross_samples(config, corpus, source, target)
     train, val = split_by_conversation(samples, val_fraction=config.n_val / (config.n_train + config.n_val), seed=config.seed)
     signatures = {"source": model_signature(source), "target": model_signature(target)}
@@ -151,7 +155,13 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
     claim_run_dir(out, fields, resume=config.resume)
     dump_config(config, out / "config.yaml")
     (out / "data_manifest.json").write_text(json.dumps(manifest, indent=1))
-    return FitPlan(config, source, target, train, val, candidates, out, signatures, manifest, fields)
+    tokens = None
+    if config.token_identity:
+        from translators.token_identity import make_token_identity
+
+        tokens = make_token_identity(config.token_identity, source.model, source.layout, target.model, config.point)
+    return FitPlan(config, source, target, train, val, candidates, out, signatures, manifest, fields,
+                   token_identity=tokens)
 
 
 def _cross_samples(config: FitConfig, corpus, source, target) -> list:
@@ -208,6 +218,8 @@ def stats_key(plan: FitPlan, samples: list) -> str:
     """Content address of the statistics of `samples` for this pair, point and candidate set."""
     h = hashlib.sha256()
     setup = [plan.signatures, plan.config.point, plan.config.weighting, sorted(plan.candidates.items())]
+    if plan.config.token_identity:  # the token features are part of every statistic
+        setup.append(plan.config.token_identity)
     h.update(json.dumps(setup, sort_keys=True, default=str).encode())
     for sample in samples:
         if plan.cross_tokenizer:
@@ -268,11 +280,14 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
             progress.advance(task, len(samples))
         return {name: GramStats.load(store / f"{name}.safetensors") for name in object_names(plan.target.layout)}
     src, tgt = plan.sides
-    stats = empty_stats(plan.source.layout, plan.target.layout, plan.candidates)
+    tokens = plan.token_identity
+    stats = empty_stats(plan.source.layout, plan.target.layout, plan.candidates,
+                        token_width=tokens.width if tokens else 0)
     if progress is not None and task is None:
         task = progress.add_task(description, total=len(samples))
     accumulate_samples(stats, src, tgt, model_inputs(samples), plan.config.point, weighting=plan.config.weighting,
-                       on_sample=(lambda _n: progress.advance(task)) if progress is not None else None)
+                       on_sample=(lambda _n: progress.advance(task)) if progress is not None else None,
+                       token_identity=tokens)
     # A temporary directory of this process and thread: two fits of the same pair (threads of a Prefect flow, or
     # a CLI fit beside a sweep) may finish the same shard at once. The content address makes their results
     # identical, so whichever rename lands first wins and the other discards its copy.
@@ -334,7 +349,8 @@ def ray_shard_stats(plan: FitPlan, shards: list[list], progress=None, task=None)
     todo = [i for i, shard in enumerate(shards) if not stats_stored(plan, shard)]
     actors = workers_for(config.source, config.target, workers=config.workers, address=config.ray_address,
                          signatures=plan.signatures, use_gpu=config.gpu)
-    spec = {"candidates": plan.candidates, "point": config.point, "weighting": config.weighting}
+    spec = {"candidates": plan.candidates, "point": config.point, "weighting": config.weighting,
+            "token_identity": config.token_identity}
 
     def finished(k: int, stats: dict) -> None:
         store_shard(plan, shards[todo[k]], stats)
@@ -370,8 +386,10 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
     src, tgt = plan.sides
     assignment = assign_layers(stats, plan.source.layout, plan.target.layout, config.assignment, config.nu)
     translator = solve_translator(
-        stats, assignment, plan.source.layout, plan.target.layout, config.point, ridge=config.ridge, head_wise=config.head_wise
+        stats, assignment, plan.source.layout, plan.target.layout, config.point, ridge=config.ridge,
+        head_wise=config.head_wise, token_identity=config.token_identity,
     )
+    translator.token_module = plan.token_identity
     r2 = heldout_r2(val_stats, translator)
     pairs = plan.val_pairs
     kl = {
@@ -393,7 +411,7 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         "assignment": {name: {str(t): list(s) for t, s in layers.items()} for name, layers in assignment.items()},
         "n_train": len(plan.train),
         "n_val": len(plan.val),
-        "train_tokens": stats["keys"].n_tokens,
+        "train_tokens": next(iter(stats.values())).n_tokens,
         # Fixed by the pair and candidate set, not by the data: the statistics hold sums, never design matrices.
         "stats_mb": sum(t.numel() * t.element_size() for object_stats in stats.values()
                         for part in (object_stats.xx, object_stats.xy, object_stats.yy) for t in part.values()) / 2**20,

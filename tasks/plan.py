@@ -134,13 +134,16 @@ def measure_stage1(source: str, target: str, *, prefix_tokens: int = 256, sample
 
     from infra.zoo import load_model
     from translators.capture import capture
+    from translators.objects import object_inputs
     from translators.stage1 import empty_stats
+    from translators.translator import source_features
 
     src, tgt = load_model(source, device="cpu"), load_model(target, device="cpu")
     shapes = {"source": ModelShape.from_config(src.name, src.model.config.to_dict()),
               "target": ModelShape.from_config(tgt.name, tgt.model.config.to_dict())}
     cands = candidate_sets(shapes["source"], shapes["target"], assignment, nu)
     stats = empty_stats(src.layout, tgt.layout, cands)
+    inputs = object_inputs(src.layout, tgt.layout)
     gen = torch.Generator().manual_seed(seed)
     vocab = min(shapes["source"].vocab, shapes["target"].vocab)
     ids = [torch.randint(0, vocab, (prefix_tokens,), generator=gen) for _ in range(samples + 1)]
@@ -153,7 +156,8 @@ def measure_stage1(source: str, target: str, *, prefix_tokens: int = 256, sample
             ct = capture(tgt.model, tgt.layout, x, point)
             t2 = time.perf_counter()
             for name, object_stats in stats.items():
-                object_stats.accumulate(cs.objects[name], ct.objects[name])
+                features = [source_features(cs.objects, inputs[name], s) for s in range(src.layout.n_layers)]
+                object_stats.accumulate(features, ct.objects[name])
             t3 = time.perf_counter()
             if i:
                 times["source"] += t1 - t0

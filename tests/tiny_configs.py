@@ -84,3 +84,37 @@ def noisy_identity(layout, scale=0.3, seed=0):
     for p in tr.maps.values():
         p.data.copy_(torch.eye(d) + scale * torch.randn(d, d, generator=g) / math.sqrt(d))
     return tr
+
+
+# MLA (DeepSeek-V3) and MLA + sparse-attention indexer (DeepSeek-V3.2), dense MLPs only. index_topk 6 is well
+# below the test prompts' lengths, so the indexer's keys decide which positions attention reads.
+_MLA = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, n_group=1, topk_group=1)
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v32")
+
+
+def tiny_mla_config(family: str, **overrides):
+    from transformers import DeepseekV3Config, DeepseekV32Config
+
+    common = {**_COMMON, **_MLA, **overrides}
+    if family == "deepseek_v3":
+        return DeepseekV3Config(**{"q_lora_rank": None, **common})
+    if family == "deepseek_v32":
+        return DeepseekV32Config(**{"q_lora_rank": 24, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 6,
+                                    **common})
+    raise ValueError(family)
+
+
+def tiny_mla_model(family: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_mla_config(family, **overrides), dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return model
+
+
+def save_tiny_mla_model_dir(family: str, path, seed: int = 0, **overrides):
+    """Write a tiny random-init MLA/DSA model plus tokenizer as a local HF directory; returns the path."""
+    tiny_mla_model(family, seed, **overrides).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

@@ -51,6 +51,10 @@ def save_translator(
         "d_tgt": translator.d_tgt,
         "assignment": {name: {str(t): list(s) for t, s in translator.assignment[name].items()} for name in translator.objects},
         "pair": {"source": source, "target": target},
+        # Only across cache kinds (GQA ↔ MLA); a map that reads its own object needs no entry.
+        **({} if translator.reads_own_objects else {"inputs": {name: list(v) for name, v in translator.inputs.items()}}),
+        # How token ids are obtained when the maps append token identity (the module is rebuilt for the pair).
+        **({} if translator.token_identity is None else {"token_identity": translator.token_identity}),
         "fit": fit,
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
     }
@@ -117,7 +121,8 @@ def load_translator(
             check_signature(manifest["pair"][role], given, role)
     # One entry per cache object (GQA: "keys", "values"); the maps are named `<object>_<target layer>`.
     assignment = {name: {int(t): tuple(s) for t, s in layers.items()} for name, layers in manifest["assignment"].items()}
-    translator = Translator(assignment, manifest["d_src"], manifest["d_tgt"], manifest["point"])
+    translator = Translator(assignment, manifest["d_src"], manifest["d_tgt"], manifest["point"], manifest.get("inputs"),
+                            manifest.get("token_identity"))
     tensors = load_file(str(weights))
     if set(tensors) != set(translator.maps):
         raise ArtifactError(f"{weights}: tensors {sorted(tensors)} do not match the manifest's assignment")

@@ -27,12 +27,13 @@ class Capture:
     """Per-layer cache objects of one sequence (batch 1).
 
     objects[name][l]: [n_tokens, width] of object `name` (e.g. "keys", "values") in layer l, at capture point
-    `point`. positions: [n_tokens] the positions the tokens were read at.
+    `point`. positions: [n_tokens] the positions the tokens were read at. token_ids: [n_tokens] the ids read.
     """
 
     point: str
     objects: dict[str, list[torch.Tensor]]
     positions: torch.Tensor
+    token_ids: torch.Tensor | None = None  # [n_tokens] the ids read (token identity's `ids` variant needs them)
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -98,7 +99,7 @@ def capture(
 
     def keep(store: dict[int, torch.Tensor], layer: int):
         def hook(_module, _inputs, output):
-            store[layer] = output[0]  # [n_tokens, width]
+            store[layer] = output[0]  # [n_tokens, module width]; obj.read selects the object's columns
 
         return hook
 
@@ -116,9 +117,10 @@ def capture(
     positions = torch.arange(n)
     captured = {
         obj.name: [
-            obj.advance(model, layout, i, raw[obj.name][i], start="pre_norm", end=point, positions=positions)
+            obj.advance(model, layout, i, obj.read(layout.layers[i], raw[obj.name][i]), start="pre_norm", end=point,
+                        positions=positions)
             for i in range(layout.n_layers)
         ]
         for obj in objects
     }
-    return Capture(point=point, objects=captured, positions=positions)
+    return Capture(point=point, objects=captured, positions=positions, token_ids=ids[0].cpu())

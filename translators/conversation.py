@@ -479,7 +479,7 @@ def _own_objects(side: Side, raw, start: int, count: int, point: str) -> dict[st
     objects = cache_objects(side.layout)
     out: dict[str, list[torch.Tensor]] = {obj.name: [] for obj in objects}
     for layer in range(side.layout.n_layers):
-        rows = {obj.name: torch.cat(raw[obj.name][layer]) for obj in objects}
+        rows = {obj.name: obj.read(side.layout.layers[layer], torch.cat(raw[obj.name][layer])) for obj in objects}
         if any(x.shape[0] != count for x in rows.values()):
             found = ", ".join(f"{x.shape[0]} {name}" for name, x in rows.items())
             raise ConversationStateError(f"recorded {found} rows for {count} tokens in layer {layer}")

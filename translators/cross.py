@@ -30,9 +30,9 @@ from translators.errors import ConfigError
 from translators.generation import Decoded, GenerationSettings, decode_from
 from translators.gram import GramStats
 from translators.layout import CacheLayout, decoder_of
-from translators.objects import CacheObject, cache_objects, engine_tensor
+from translators.objects import CacheObject, cache_objects, engine_tensor, fill_cache_layer, object_inputs, same_kinds
 from translators.stage1 import Side, ValidationKL, accumulate_pair, validation_kl
-from translators.translator import Translator
+from translators.translator import Translator, source_features
 
 PREFILL = "prefill"
 TRANSLATED = "translated"
@@ -154,16 +154,19 @@ def accumulate_cross(
         NonFiniteError: a capture holds NaN/Inf.
     """
     objects = cache_objects(target.layout) if objects is None else objects
+    inputs = object_inputs(source.layout, target.layout, tuple(obj.name for obj in objects))
+    source_objects = objects if same_kinds(source.layout, target.layout) else None  # None: the source's own
     with torch.no_grad():
         for sample in samples:
             if sample.translated.numel() == 0:  # nothing to regress (cross_sample never builds these)
                 continue
-            src = capture(source.model, source.layout, sample.source_ids, point, objects)
+            src = capture(source.model, source.layout, sample.source_ids, point, source_objects)
             tgt = capture(target.model, target.layout, sample.target_ids, point, objects)
             src.check_finite("source")
             tgt.check_finite("target")
             for obj in objects:
-                xs = [x[sample.translated] for x in src.objects[obj.name]]
+                xs = [source_features(src.objects, inputs[obj.name], s)[sample.translated]
+                      for s in range(source.layout.n_layers)]
                 ys = [group_mean_targets(y, sample.target_group, sample.source_group) for y in tgt.objects[obj.name]]
                 stats[obj.name].accumulate(xs, ys)
             if on_sample:
@@ -201,7 +204,7 @@ def mixed_cache(
             for i in range(layout.n_layers):
                 engine = [engine_tensor(obj, model, layout, i, tensors[obj.name][i][lo:hi].to(dtype), point=point,
                                         positions=positions) for obj in objects]
-                cache.update(*engine, i)
+                fill_cache_layer(cache, i, objects, engine)
     return cache
 
 
@@ -323,19 +326,23 @@ def validation_kl_for(
 
 def accumulate_samples(
     stats: dict[str, GramStats], source: Side, target: Side, samples: Sequence, point: str, *,
-    weighting: str = "uniform", on_sample: Callable[[int], None] | None = None,
+    weighting: str = "uniform", on_sample: Callable[[int], None] | None = None, token_identity=None,
 ) -> dict[str, GramStats]:
     """Stage-1 statistics of same-tokenizer (prefix, continuation) pairs or of cross-tokenizer samples.
 
+    token_identity: a `translators.token_identity.TokenIdentity` (same-tokenizer pairs only).
+
     Raises:
-        ConfigError: the attention weighting on cross-tokenizer samples (its weights are per target position, the
-            regression rows per translated source token: not defined yet).
+        ConfigError: the attention weighting or token identity on cross-tokenizer samples (the weights are per
+            target position, the regression rows per translated source token; ids index one vocabulary).
     """
     if samples and isinstance(samples[0], CrossSample):
-        if weighting != "uniform":
-            raise ConfigError("cross-tokenizer pairs fit with the uniform weighting only (drop --weighting attention)")
+        if weighting != "uniform" or token_identity is not None:
+            raise ConfigError("cross-tokenizer pairs fit with the uniform weighting and without token identity only "
+                              "(drop --weighting attention / --token-identity)")
         return accumulate_cross(stats, source, target, samples, point, on_sample=on_sample)
-    return accumulate_pair(stats, source, target, samples, point, weighting=weighting, on_sample=on_sample)
+    return accumulate_pair(stats, source, target, samples, point, weighting=weighting, on_sample=on_sample,
+                           token_identity=token_identity)
 
 
 # --- Reading a cross-tokenizer prefix under one condition: the switch runtime and the benchmarks ----------------

@@ -140,6 +140,6 @@ def sample_loss(
     check_sample(prefix_ids, continuation_ids)
     if teacher is None:
         teacher = teacher_hidden(target, prefix_ids, continuation_ids)
-    translated = translator.translate_objects(source_capture.objects)
+    translated = translator.translate_objects(source_capture.objects, source_capture.token_ids)
     student = student_hidden(target, target_layout, translated, translator.point, prefix_ids, continuation_ids)
     return continuation_loss(target, student, teacher, continuation_ids, objective)

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from translators.errors import ConfigError
 from translators.layout import CacheLayout
-from translators.objects import cache_objects, engine_tensor
+from translators.objects import cache_objects, engine_tensor, fill_cache_layer
 
 
 def build_cache(
@@ -21,7 +21,7 @@ def build_cache(
     positions: torch.Tensor | None = None,
 ) -> DynamicCache:
     """Build the target's cache from one list per cache object, in `cache_objects(layout)` order (GQA: keys
-    at `point`, then values). See `write_cache`.
+    at `point`, then values; MLA: latent, rotary key). See `write_cache`.
 
     Raises:
         ConfigError: a number of lists other than the layout's objects, wrong number of layers or shapes.
@@ -68,7 +68,7 @@ def write_cache(
     if positions.shape != (n,):
         raise ConfigError(f"positions must have shape [{n}], got {list(positions.shape)}")
     dtype = next(model.parameters()).dtype
-    data = []
+    cache = DynamicCache(config=model.config)
     for i in range(layout.n_layers):
         layer = [tensors[obj.name][i] for obj in objects]
         expected = [(n, obj.width(layout.layers[i])) for obj in objects]
@@ -77,11 +77,9 @@ def write_cache(
                 f"layer {i}: expected {', '.join(o.name for o in objects)} of shapes {[list(e) for e in expected]}, "
                 f"got {[list(x.shape) for x in layer]}"
             )
-        data.append(
-            tuple(engine_tensor(obj, model, layout, i, x.to(dtype), point=point, positions=positions)
-                  for obj, x in zip(objects, layer))
-        )
-    return DynamicCache(ddp_cache_data=data, config=model.config)
+        fill_cache_layer(cache, i, objects, [engine_tensor(obj, model, layout, i, x.to(dtype), point=point,
+                                                           positions=positions) for obj, x in zip(objects, layer)])
+    return cache
 
 
 def decode_step(

@@ -1,16 +1,17 @@
 """What a model's cache looks like: per layer, a set of typed cache objects.
 
-Today every supported family (Llama/SmolLM2, Qwen3, Gemma-3, Mistral) stores one object per layer, an
-attention key/value pair (`AttentionKV`). The hybrid-cache paper adds MLA latents, recurrent states and
-sparse-attention indexer keys; those become further object kinds in `LayerLayout.objects`, so code that
-walks a layout asks for the kind it understands instead of assuming K/V everywhere. Each kind's adapter
-(capture, width, engine-cache writing, object names) is in `translators.objects`.
+The GQA families (Llama/SmolLM2, Qwen3, Gemma-3, Mistral) store one object per layer, an attention key/value
+pair (`AttentionKV`). MLA families (DeepSeek-V2/V3) store a joint latent and a shared rotary key (`MLALatent`);
+DeepSeek-V3.2 adds its sparse-attention indexer's keys (`IndexerKeys`). Recurrent states become further kinds
+in `LayerLayout.objects`, so code that walks a layout asks for the kind it understands instead of assuming K/V
+everywhere. Each kind's adapter (capture, width, engine-cache writing, object names) is in
+`translators.objects`.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import nn
@@ -44,22 +45,65 @@ class AttentionKV:
 
 
 @dataclass(frozen=True)
+class MLALatent:
+    """Multi-head latent attention (DeepSeek-V2/V3): per token a joint K/V latent [kv_lora_rank] (cached after
+    `kv_a_layernorm`) and one rotary key shared by all heads [rope_dim] (cached after RoPE); the engine stores
+    them as a one-head [batch, 1, seq, width] pair."""
+
+    kv_lora_rank: int
+    rope_dim: int  # qk_rope_head_dim
+    interleaved: bool  # RoPE on interleaved feature pairs (DeepSeek's layout) instead of half-split
+    rope: tuple[tuple[str, Any], ...]
+    attention: str = GLOBAL
+    window: int | None = None
+    kind: str = "mla_latent"
+
+
+@dataclass(frozen=True)
+class IndexerKeys:
+    """The lightning indexer's key of a sparse-attention (DSA) layer: one head [head_dim], LayerNorm'd, its first
+    rope_dim features rotated (half-split); the engine stores [batch, seq, head_dim]. The indexer only selects
+    which positions attention reads (top-k), so no gradient flows through these keys."""
+
+    head_dim: int  # index_head_dim
+    rope_dim: int
+    kind: str = "indexer_keys"
+
+
+CacheObjectKind = AttentionKV | MLALatent | IndexerKeys
+
+
+@dataclass(frozen=True)
 class LayerLayout:
     index: int
     layer_type: str  # the transformers layer type name, e.g. "full_attention", "sliding_attention"
-    objects: tuple[AttentionKV, ...]
+    objects: tuple[CacheObjectKind, ...]
+
+    def object_of(self, kind: type):
+        """The layer's object of class `kind` (AttentionKV, MLALatent, IndexerKeys).
+
+        Raises:
+            UnsupportedModelError: the layer holds no such object.
+        """
+        for obj in self.objects:
+            if isinstance(obj, kind):
+                return obj
+        held = ", ".join(obj.kind for obj in self.objects)
+        raise UnsupportedModelError(f"layer {self.index} holds no {kind.__name__} cache object (it holds {held})")
 
     @property
     def kv(self) -> AttentionKV:
         """The layer's attention K/V object.
 
         Raises:
-            UnsupportedModelError: the layer holds no attention K/V (a future hybrid layer).
+            UnsupportedModelError: the layer holds no attention K/V (an MLA or hybrid layer).
         """
-        for obj in self.objects:
-            if obj.kind == "attention_kv":
-                return obj
-        raise UnsupportedModelError(f"layer {self.index} holds no attention K/V cache object")
+        return self.object_of(AttentionKV)
+
+    @property
+    def attention(self) -> str:
+        """GLOBAL or SLIDING: the attention type of the layer's first (attention) object."""
+        return self.objects[0].attention
 
 
 @dataclass(frozen=True)
@@ -75,7 +119,7 @@ class CacheLayout:
     @property
     def attention_types(self) -> list[str]:
         """Per layer GLOBAL/SLIDING; translators map only between layers of the same type."""
-        return [layer.kv.attention for layer in self.layers]
+        return [layer.attention for layer in self.layers]
 
     @property
     def kv_width(self) -> int:
@@ -91,18 +135,18 @@ class CacheLayout:
             "family": self.family,
             "n_layers": self.n_layers,
             "max_positions": self.max_positions,
-            "layers": [
-                {
-                    "type": layer.layer_type,
-                    "attention": layer.kv.attention,
-                    "window": layer.kv.window,
-                    "n_kv_heads": layer.kv.n_kv_heads,
-                    "head_dim": layer.kv.head_dim,
-                    "k_norm": layer.kv.has_k_norm,
-                }
-                for layer in self.layers
-            ],
+            "layers": [_layer_signature(layer) for layer in self.layers],
         }
+
+
+def _layer_signature(layer: LayerLayout) -> dict[str, Any]:
+    """One layer of `CacheLayout.signature`; GQA layers keep the keys manifests have always had."""
+    if len(layer.objects) == 1 and isinstance(layer.objects[0], AttentionKV):
+        kv = layer.objects[0]
+        return {"type": layer.layer_type, "attention": kv.attention, "window": kv.window,
+                "n_kv_heads": kv.n_kv_heads, "head_dim": kv.head_dim, "k_norm": kv.has_k_norm}
+    objects = [{k: v for k, v in asdict(obj).items() if k != "rope"} for obj in layer.objects]
+    return {"type": layer.layer_type, "attention": layer.attention, "objects": objects}
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -146,8 +190,9 @@ def missing_parts(model: nn.Module) -> list[str]:
         if attn is None:
             missing.append(f"layer {i}: a `self_attn` attention module")
             break
-        for part in ("k_proj", "v_proj"):
-            if not isinstance(getattr(attn, part, None), nn.Linear):
+        parts = ("kv_a_proj_with_mqa", "kv_a_layernorm") if _is_mla(attn) else ("k_proj", "v_proj")
+        for part in parts:
+            if not isinstance(getattr(attn, part, None), nn.Module):
                 missing.append(f"layer {i}: separate `self_attn.{part}` projection (fused QKV is not supported)")
         if missing:
             break
@@ -170,20 +215,44 @@ def cache_layout(model: nn.Module) -> CacheLayout:
     types = _layer_types(config)
     layers = []
     for i, layer in enumerate(decoder.layers):
-        attn = layer.self_attn
-        head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        sliding = types[i] in ("sliding_attention", "chunked_attention")
-        window = (getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)) if sliding else None
-        kv = AttentionKV(
-            attention=SLIDING if sliding else GLOBAL,
-            window=window,
-            n_kv_heads=attn.k_proj.out_features // head_dim,
-            head_dim=head_dim,
-            has_k_norm=getattr(attn, "k_norm", None) is not None,
-            rope=tuple(sorted((k, v) for k, v in _rope_parameters(config, types[i]).items() if _jsonable(v))),
-        )
-        layers.append(LayerLayout(index=i, layer_type=types[i], objects=(kv,)))
+        rope = tuple(sorted((k, v) for k, v in _rope_parameters(config, types[i]).items() if _jsonable(v)))
+        objects = _mla_objects(layer.self_attn, config, rope) if _is_mla(layer.self_attn) else (
+            _attention_kv(layer.self_attn, config, types[i], rope),)
+        layers.append(LayerLayout(index=i, layer_type=types[i], objects=objects))
     return CacheLayout(family=config.model_type, layers=tuple(layers), max_positions=config.max_position_embeddings)
+
+
+def _is_mla(attn: nn.Module) -> bool:
+    """MLA attention projects one joint latent plus a shared rotary key (DeepSeek's `kv_a_proj_with_mqa`)."""
+    return hasattr(attn, "kv_a_proj_with_mqa")
+
+
+def _attention_kv(attn: nn.Module, config, layer_type: str, rope: tuple) -> AttentionKV:
+    head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sliding = layer_type in ("sliding_attention", "chunked_attention")
+    window = (getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)) if sliding else None
+    return AttentionKV(
+        attention=SLIDING if sliding else GLOBAL,
+        window=window,
+        n_kv_heads=attn.k_proj.out_features // head_dim,
+        head_dim=head_dim,
+        has_k_norm=getattr(attn, "k_norm", None) is not None,
+        rope=rope,
+    )
+
+
+def _mla_objects(attn: nn.Module, config, rope: tuple) -> tuple[CacheObjectKind, ...]:
+    """MLA latent (+ the indexer's keys on a DSA layer). DeepSeek-V3.2 always rotates interleaved pairs."""
+    latent = MLALatent(
+        kv_lora_rank=attn.kv_lora_rank,
+        rope_dim=attn.qk_rope_head_dim,
+        interleaved=bool(getattr(config, "rope_interleave", True)),
+        rope=rope,
+    )
+    indexer = getattr(attn, "indexer", None)
+    if indexer is None:
+        return (latent,)
+    return latent, IndexerKeys(head_dim=indexer.head_dim, rope_dim=indexer.qk_rope_head_dim)
 
 
 def _jsonable(value: Any) -> bool:

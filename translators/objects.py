@@ -10,9 +10,9 @@ layout holds instead of assuming keys and values. Each object's adapter owns
   to a later capture point (`advance`);
 - writing into the engine cache: the tensor the engine stores for it (`engine`).
 
-Today every supported layout holds the GQA pair, `KEYS` and `VALUES` of its attention K/V. MLA (latent +
-rotary key), recurrent (state + conv window) and indexer keys become further adapters here, returned by
-`cache_objects` for the layouts that hold them.
+GQA layouts hold `KEYS` and `VALUES` of their attention K/V; MLA layouts hold `LATENT` and `ROPE_KEY`, and
+sparse-attention (DSA) layouts add `INDEXER_KEYS`. Recurrent states (state + conv window) become further
+adapters here, returned by `cache_objects` for the layouts that hold them.
 """
 
 from __future__ import annotations
@@ -23,11 +23,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from translators.errors import UnsupportedModelError
-from translators.layout import CacheLayout, LayerLayout
-from translators.points import keys_to_point
+from translators import mla
+from translators.errors import ConfigError, UnsupportedModelError
+from translators.layout import CacheLayout, IndexerKeys, LayerLayout, MLALatent
+from translators.points import CAPTURE_POINTS, check_point, keys_to_point
 
 ATTENTION_KV = "attention_kv"  # `AttentionKV.kind`: the layout object the GQA pair lives in
+
+# Where an object goes in the engine cache: the layer's (keys, values) pair, or the DSA indexer's key cache.
+SLOTS = ("keys", "values", "indexer")
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,16 @@ class CacheObject:
     Fields (plain functions, so a new kind is a new instance, not a subclass):
         name: unique object name, e.g. "keys"; used in artifact tensor names, statistics files and JSON keys.
         width: layer layout → features per token (e.g. n_kv_heads * head_dim).
-        module: decoder layer → the submodule whose forward output ([1, n_tokens, width]) is this object at
-            `pre_norm` (capture hooks it).
+        module: decoder layer → the submodule whose forward output (row 0: [n_tokens, ≥ width]) holds this
+            object at `pre_norm` (capture hooks it).
         advance: (model, layout, layer, x, *, start, end, positions) → x moved from capture point `start` to
             the later point `end`; [n_tokens, width] → [n_tokens, width].
         engine: (layout, layer, x) → the tensor the engine cache stores, from x at `post_rope`.
+        slot: where the engine cache keeps it, one of SLOTS.
+        read: (layer layout, module output row [n_tokens, ·]) → the object's columns [n_tokens, width]; MLA's
+            latent and rotary key share one projection. Default: the whole output.
+        differentiable: the model's forward passes gradients into the object (the DSA indexer's top-k
+            selection does not).
     """
 
     name: str
@@ -49,6 +58,9 @@ class CacheObject:
     module: Callable[[nn.Module], nn.Module]
     advance: Callable[..., torch.Tensor]
     engine: Callable[[CacheLayout, int, torch.Tensor], torch.Tensor]
+    slot: str
+    read: Callable[[LayerLayout, torch.Tensor], torch.Tensor] = lambda layer, output: output
+    differentiable: bool = True
 
 
 # --- The GQA adapter ------------------------------------------------------------------------------
@@ -87,12 +99,105 @@ def heads_first(layout: CacheLayout, layer: int, x: torch.Tensor) -> torch.Tenso
     return x.view(n, layout.layers[layer].kv.n_kv_heads, -1).transpose(0, 1).unsqueeze(0)
 
 
-KEYS = CacheObject("keys", _kv_width, _k_proj, _advance_keys, heads_first)
-VALUES = CacheObject("values", _kv_width, _v_proj, _advance_values, heads_first)
+KEYS = CacheObject("keys", _kv_width, _k_proj, _advance_keys, heads_first, slot="keys")
+VALUES = CacheObject("values", _kv_width, _v_proj, _advance_values, heads_first, slot="values")
 GQA = (KEYS, VALUES)  # the engine cache stores (keys, values) per layer, in this order
 
+
+# --- The MLA adapters (latent + shared rotary key) and DSA indexer keys ------------------------------
+
+
+def _latent_width(layer: LayerLayout) -> int:
+    return layer.object_of(MLALatent).kv_lora_rank
+
+
+def _rope_key_width(layer: LayerLayout) -> int:
+    return layer.object_of(MLALatent).rope_dim
+
+
+def _kv_a_proj(decoder_layer: nn.Module) -> nn.Module:
+    return decoder_layer.self_attn.kv_a_proj_with_mqa
+
+
+def _latent_columns(layer: LayerLayout, output: torch.Tensor) -> torch.Tensor:
+    """kv_a_proj_with_mqa's output is [latent | k_pe]; the latent is the first kv_lora_rank columns."""
+    return output[..., : _latent_width(layer)]
+
+
+def _rope_key_columns(layer: LayerLayout, output: torch.Tensor) -> torch.Tensor:
+    return output[..., _latent_width(layer):]
+
+
+def _steps(start: str, end: str) -> tuple[bool, bool]:
+    """(passes the norm, passes RoPE) going from capture point `start` to `end`.
+
+    Raises:
+        ConfigError: unknown point, or `end` before `start` (inverting a norm is not defined).
+    """
+    first, last = CAPTURE_POINTS.index(check_point(start)), CAPTURE_POINTS.index(check_point(end))
+    if last < first:
+        raise ConfigError(f"cannot move a cache object back from {start!r} to {end!r}")
+    return first == 0 and last >= 1, first <= 1 and last == 2
+
+
+def _advance_latent(model, layout, layer, x, *, start, end, positions):
+    """The latent passes `kv_a_layernorm` between ① and ②; RoPE does not touch it."""
+    norm, _ = _steps(start, end)
+    return mla.normalise_latent(model, layer, x) if norm else x
+
+
+def _advance_rope_key(model, layout, layer, x, *, start, end, positions):
+    """The shared rotary key has no norm; it is rotated between ② and ③."""
+    _, rope = _steps(start, end)
+    return mla.rotate_rope_key(model, layout, layer, x, positions) if rope else x
+
+
+def one_head(layout: CacheLayout, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """[n_tokens, width] → [1, 1, n_tokens, width]: MLA caches its latent and rotary key as one head."""
+    return x.view(1, 1, *x.shape)
+
+
+LATENT = CacheObject("latent", _latent_width, _kv_a_proj, _advance_latent, one_head, slot="keys",
+                     read=_latent_columns)
+ROPE_KEY = CacheObject("rope_key", _rope_key_width, _kv_a_proj, _advance_rope_key, one_head, slot="values",
+                       read=_rope_key_columns)
+MLA = (LATENT, ROPE_KEY)  # the engine stores them as the layer's (keys, values)
+
+
+def _indexer_width(layer: LayerLayout) -> int:
+    return layer.object_of(IndexerKeys).head_dim
+
+
+def _indexer_wk(decoder_layer: nn.Module) -> nn.Module:
+    return decoder_layer.self_attn.indexer.wk
+
+
+def _advance_indexer_keys(model, layout, layer, x, *, start, end, positions):
+    """Indexer keys pass the indexer's LayerNorm (① → ②), then RoPE on their first rope_dim features (② → ③)."""
+    norm, rope = _steps(start, end)
+    if norm:
+        x = mla.normalise_indexer_keys(model, layer, x)
+    return mla.rotate_indexer_keys(model, layout, layer, x, positions) if rope else x
+
+
+def batch_first(layout: CacheLayout, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """[n_tokens, width] → [1, n_tokens, width], the indexer key cache's layout."""
+    return x.unsqueeze(0)
+
+
+INDEXER_KEYS = CacheObject("indexer_keys", _indexer_width, _indexer_wk, _advance_indexer_keys, batch_first,
+                           slot="indexer", differentiable=False)
+DSA = (*MLA, INDEXER_KEYS)
+
+# The adapters of each combination of layout object kinds a layer can hold.
+_ADAPTERS = {
+    (ATTENTION_KV,): GQA,
+    ("mla_latent",): MLA,
+    ("mla_latent", "indexer_keys"): DSA,
+}
+
 # Every object name some adapter defines (statistics files name their object; unknown names are refused).
-OBJECT_NAMES = tuple(obj.name for obj in GQA)
+OBJECT_NAMES = tuple(dict.fromkeys(obj.name for objects in _ADAPTERS.values() for obj in objects))
 
 
 # --- Layout → objects -----------------------------------------------------------------------------
@@ -108,9 +213,9 @@ def cache_objects(layout: CacheLayout) -> tuple[CacheObject, ...]:
     if len(kinds) != 1:
         raise UnsupportedModelError(f"{layout.family}: layers hold different cache objects {sorted(kinds)}")
     kind = kinds.pop()
-    if kind != (ATTENTION_KV,):
+    if kind not in _ADAPTERS:
         raise UnsupportedModelError(f"{layout.family}: no adapter for the cache objects {list(kind)}")
-    return GQA
+    return _ADAPTERS[kind]
 
 
 def object_names(layout: CacheLayout) -> tuple[str, ...]:
@@ -152,3 +257,53 @@ def engine_tensor(
     The model's own remaining transforms (keys: k-norm and RoPE at `positions`) are applied first.
     """
     return obj.engine(layout, layer, obj.advance(model, layout, layer, x, start=point, end="post_rope", positions=positions))
+
+
+def fill_cache_layer(cache, layer: int, objects: tuple[CacheObject, ...], engine: list[torch.Tensor]) -> None:
+    """Append one layer's engine tensors (from `engine_tensor`, in `objects` order) to a transformers cache.
+
+    The (keys, values) slots go through `cache.update`, indexer keys through `cache.update_indexer`; both
+    concatenate, so filling a cache span by span (cross-tokenizer runs) appends each span.
+
+    Raises:
+        ConfigError: the objects do not fill both the keys and values slots exactly once.
+    """
+    by_slot = {obj.slot: x for obj, x in zip(objects, engine, strict=True)}
+    if len(by_slot) != len(objects) or not {"keys", "values"} <= set(by_slot):
+        raise ConfigError(f"cache objects {[obj.name for obj in objects]} do not fill the keys and values slots once")
+    cache.update(by_slot["keys"], by_slot["values"], layer)
+    if "indexer" in by_slot:
+        cache.update_indexer(by_slot["indexer"], layer)
+
+
+def same_kinds(source: CacheLayout, target: CacheLayout) -> bool:
+    """Both layouts hold the same cache objects (GQA and GQA, MLA and MLA), whatever their widths."""
+    return cache_objects(source) == cache_objects(target)
+
+
+def object_inputs(
+    source: CacheLayout, target: CacheLayout, names: tuple[str, ...] | None = None
+) -> dict[str, tuple[str, ...]]:
+    """The source objects each target object's map reads (`Translator.inputs`).
+
+    Between layouts of the same kinds every object reads its own name (`names`: the objects to map, default
+    the target's). Across kinds, a target object the source also holds reads that object (a DSA target's
+    latent ← an MLA source's latent); any other reads every source object of the attention cache (the keys
+    and values slots), concatenated: GQA → MLA maps [keys | values] to the latent and to the rotary key,
+    MLA → GQA maps [latent | rotary key] to keys and to values, MLA → DSA feeds the indexer keys from
+    [latent | rotary key].
+
+    Raises:
+        UnsupportedModelError: either layout has no adapter (see `cache_objects`).
+    """
+    if same_kinds(source, target):
+        return {name: (name,) for name in (names or object_names(target))}
+    held = {obj.name for obj in cache_objects(source)}
+    attention = tuple(obj.name for obj in cache_objects(source) if obj.slot in ("keys", "values"))
+    return {obj.name: (obj.name,) if obj.name in held else attention for obj in cache_objects(target)}
+
+
+def input_width(layout: CacheLayout, objects: tuple[CacheObject, ...]) -> int:
+    """Features per source layer of `objects` of `layout` side by side (each width the same in every layer).
+    Raises UnsupportedModelError otherwise."""
+    return sum(object_width(obj, layout) for obj in objects)

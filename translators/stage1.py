@@ -26,9 +26,10 @@ from translators.errors import ConfigError
 from translators.gram import GramStats
 from translators.inject import write_cache
 from translators.layout import CacheLayout
-from translators.objects import CacheObject, cache_objects, object_width
+from translators.objects import CacheObject, cache_objects, input_width, object_inputs, object_width, same_kinds
 from translators.solve import fit_map, relative_residual
-from translators.translator import Translator
+from translators.token_identity import TokenIdentity, with_tokens
+from translators.translator import Translator, source_features
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,28 @@ def empty_stats(
     target: CacheLayout,
     candidates: dict[int, tuple[int, ...]],
     objects: tuple[CacheObject, ...] | None = None,
+    *,
+    token_width: int = 0,
 ) -> dict[str, GramStats]:
-    """Zero statistics per cache object, keyed by object name, at the objects' source and target widths.
+    """Zero statistics per target cache object, keyed by object name: the source side is what that object's
+    map reads per source layer (`object_inputs`: the same object, or the source's attention objects side by
+    side, plus `token_width` features of token identity), the target side the object's width.
 
     Args:
-        objects: the objects to fit; default the target's `cache_objects` (GQA: keys, values).
+        objects: the target objects to fit; default the target's `cache_objects` (GQA: keys, values).
+        token_width: the target's embedding width when the maps append token identity, else 0.
     Raises:
         UnsupportedModelError: an object's width differs across layers.
     """
     objects = cache_objects(target) if objects is None else objects
-    return {obj.name: GramStats.empty(obj, candidates, object_width(obj, source), object_width(obj, target)) for obj in objects}
+    inputs = object_inputs(source, target, tuple(obj.name for obj in objects))
+    readable = {obj.name: obj for obj in (*cache_objects(source), *objects)}
+    return {
+        obj.name: GramStats.empty(
+            obj, candidates, input_width(source, tuple(readable[n] for n in inputs[obj.name])) + token_width,
+            object_width(obj, target))
+        for obj in objects
+    }
 
 
 WEIGHTINGS = ("uniform", "attention")
@@ -114,12 +127,15 @@ def accumulate_pair(
     weighting: str = "uniform",
     on_sample: Callable[[int], None] | None = None,
     objects: tuple[CacheObject, ...] | None = None,
+    token_identity: TokenIdentity | None = None,
 ) -> dict[str, GramStats]:
     """Add the paired captures of each sample's prefix ([n] token ids, same tokenizer) to `stats` (in place).
 
     weighting: "uniform" (the Frobenius fit of eq. 3.2) or "attention" (App. O's attention-weighted norm; the
     continuation is read only to weight the prefix positions).
     objects: the cache objects `stats` holds (by name); default the target's `cache_objects`.
+    token_identity: append the target's embedding of each token's id (decoded by the codebook, or the prefix
+        itself for the ids variant) to every map's input, as the translator will at inference.
 
     Raises:
         ConfigError: unknown weighting, or `stats` not keyed by the objects' names.
@@ -130,15 +146,22 @@ def accumulate_pair(
     objects = cache_objects(target.layout) if objects is None else objects
     if set(stats) != {obj.name for obj in objects}:
         raise ConfigError(f"statistics of {sorted(stats)} cannot accumulate objects {[obj.name for obj in objects]}")
+    inputs = object_inputs(source.layout, target.layout, tuple(obj.name for obj in objects))
+    # Same kinds: the source is captured with the same adapters (`objects` may add one of the caller's own).
+    source_objects = objects if same_kinds(source.layout, target.layout) else cache_objects(source.layout)
     with torch.no_grad():
         for prefix, continuation in samples:
-            src = capture(source.model, source.layout, prefix, point, objects)
+            src = capture(source.model, source.layout, prefix, point, source_objects)
             tgt = capture(target.model, target.layout, prefix, point, objects)
             src.check_finite("source")
             tgt.check_finite("target")
             weights = attention_weights(target, prefix, continuation) if weighting == "attention" else None
+            tokens = token_identity.embed(token_identity.ids(src.objects, prefix)) if token_identity else None
             for obj in objects:
-                stats[obj.name].accumulate(src.objects[obj.name], tgt.objects[obj.name], weights)
+                features = [source_features(src.objects, inputs[obj.name], s) for s in range(source.layout.n_layers)]
+                if tokens is not None:
+                    features = [torch.cat([x, tokens.to(x.dtype)], dim=-1) for x in features]
+                stats[obj.name].accumulate(features, tgt.objects[obj.name], weights)
             if on_sample:
                 on_sample(prefix.numel())
     return stats
@@ -163,23 +186,49 @@ def solve_translator(
     *,
     ridge: float = 0.0,
     head_wise: bool = False,
+    token_identity: str | None = None,
 ) -> Translator:
     """Closed-form maps (eigen pseudo-inverse, or ridge when `ridge` > 0) for every target layer and object.
 
+    Each object's map reads what `object_inputs(source, target)` names; objects of different widths (MLA's
+    latent and rotary key) get maps of their own shapes.
+
     Raises:
-        ConfigError: the assigned objects' statistics have different widths (one translator, one width).
+        ConfigError: head-wise maps for a cache without attention heads (MLA).
     """
-    widths = {(stats[name].d_src, stats[name].d_tgt) for name in assignment}
-    if len(widths) != 1:
-        raise ConfigError(f"the objects {sorted(assignment)} have different widths {sorted(widths)}; fit them separately")
-    d_src, d_tgt = widths.pop()
-    translator = Translator(assignment, d_src, d_tgt, point)
-    heads = {"n_heads_src": source.layers[0].kv.n_kv_heads, "n_heads_tgt": target.layers[0].kv.n_kv_heads}
+    d_src = _one_or_each({name: stats[name].d_src for name in assignment})
+    d_tgt = _one_or_each({name: stats[name].d_tgt for name in assignment})
+    inputs = object_inputs(source, target, tuple(assignment))
+    translator = Translator(assignment, d_src, d_tgt, point, with_tokens(inputs) if token_identity else inputs,
+                            token_identity)
+    heads = {}
+    if head_wise:
+        if token_identity:
+            raise ConfigError("head-wise maps cannot read token identity (it belongs to no head); drop one of them")
+        if not (source.layers[0].objects[0].kind == target.layers[0].objects[0].kind == "attention_kv"):
+            raise ConfigError("head-wise maps need attention heads on both sides (GQA K/V); MLA caches have none")
+        heads = {"n_heads_src": source.layers[0].kv.n_kv_heads, "n_heads_tgt": target.layers[0].kv.n_kv_heads}
     for name in translator.objects:
         for t, sources in assignment[name].items():
             weight = fit_map(stats[name], t, sources, ridge=ridge, head_wise=head_wise, **heads)
             translator.set_weight(name, t, weight)
     return translator
+
+
+def zero_translator(source: CacheLayout, target: CacheLayout, band: dict, point: str) -> Translator:
+    """A translator of zero maps with this pair's shapes, every target object reading the source layers `band`
+    ({target layer: source layers}); what a cost measurement needs when values do not matter."""
+    inputs = object_inputs(source, target)
+    by_name = {obj.name: obj for obj in cache_objects(source)}
+    objects = cache_objects(target)
+    d_src = {obj.name: input_width(source, tuple(by_name[n] for n in inputs[obj.name])) for obj in objects}
+    d_tgt = {obj.name: object_width(obj, target) for obj in objects}
+    return Translator({obj.name: band for obj in objects}, _one_or_each(d_src), _one_or_each(d_tgt), point, inputs)
+
+
+def _one_or_each(widths: dict[str, int]) -> int | dict[str, int]:
+    """One int when every object has the same width (the GQA manifests' form), else the per-object mapping."""
+    return next(iter(widths.values())) if len(set(widths.values())) == 1 else widths
 
 
 def heldout_r2(stats: dict[str, GramStats], translator: Translator) -> dict[str, list[float]]:
@@ -196,7 +245,9 @@ def heldout_r2(stats: dict[str, GramStats], translator: Translator) -> dict[str,
 def random_like(translator: Translator, seed: int = 0) -> Translator:
     """Control `random_map`: Gaussian maps of the same shapes and Frobenius norms as `translator`'s."""
     generator = torch.Generator().manual_seed(seed)
-    control = Translator(translator.assignment, translator.d_src, translator.d_tgt, translator.point)
+    control = Translator(translator.assignment, translator.d_src, translator.d_tgt, translator.point, translator.inputs,
+                         translator.token_identity)
+    control.token_module = translator.token_module
     for name, weight in translator.maps.items():
         noise = torch.randn(weight.shape, generator=generator)
         control.maps[name].data.copy_(noise * (weight.detach().norm() / noise.norm()))
@@ -249,7 +300,7 @@ def validation_kl(
                 student = no_prefix_logits(target.model, prefix, continuation)
             else:
                 cap = capture(source.model, source.layout, prefix[:-1], translator.point)
-                cache = write_cache(target.model, target.layout, translator.translate_objects(cap.objects),
+                cache = write_cache(target.model, target.layout, translator.translate_objects(cap.objects, cap.token_ids),
                                     point=translator.point)
                 student = cache_logits(target.model, cache, prefix, continuation)
             kl = kl_per_position(teacher, student)

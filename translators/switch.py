@@ -30,10 +30,10 @@ from translators.errors import ConfigError, PairMismatchError, PrefixTooLongErro
 from translators.generation import GenerationSettings, decode_from, sync
 from translators.inject import decode_step
 from translators.layout import CacheLayout
-from translators.objects import cache_objects, engine_tensor, object_width, shared_width
+from translators.objects import cache_objects, engine_tensor, fill_cache_layer, object_width
 from translators.points import check_point
 from translators.stage1 import Side
-from translators.translator import Translator
+from translators.translator import TOKEN_EMBEDDING, Translator
 
 DEFAULT_POINT = "pre_norm"
 
@@ -116,19 +116,24 @@ def check_translator_fits(translator: Translator | None, source: CacheLayout, ta
 def _object_problems(translator: Translator, layout: CacheLayout, role: str) -> list[str]:
     """What keeps `translator` from reading (role "source") or writing (role "target") the cache objects of
     `layout`: objects it lacks, objects it maps but the layout does not hold, and widths."""
-    verb, width = ("reads", translator.d_src) if role == "source" else ("writes", translator.d_tgt)
-    objects = cache_objects(layout)
-    held = [obj.name for obj in objects]
+    verb = "reads" if role == "source" else "writes"
+    objects = {obj.name: obj for obj in cache_objects(layout)}
+    # The token embedding comes from the target's vocabulary (`attach_token_identity` checks its width).
+    used = tuple(o for o in translator.source_objects() if o != TOKEN_EMBEDDING) if role == "source" else translator.objects
     problems = []
-    absent = [name for name in translator.objects if name not in held]
+    absent = [name for name in used if name not in objects]
     if absent:
-        problems.append(f"it {verb} {', '.join(absent)}, the {role}'s cache holds {', '.join(held)}")
-    unwritten = [name for name in held if name not in translator.objects]
+        problems.append(f"it {verb} {', '.join(absent)}, the {role}'s cache holds {', '.join(objects)}")
+        return problems
+    unwritten = [name for name in objects if name not in translator.objects]
     if role == "target" and unwritten:
         problems.append(f"it does not write the target's {', '.join(unwritten)}")
-    widths = sorted({object_width(obj, layout) for obj in objects if obj.name in translator.objects})
-    if widths and widths != [width]:
-        problems.append(f"it {verb} {role} width {width}, the {role} has {', '.join(map(str, widths))}")
+    for name in translator.objects:
+        expected = translator.widths(name)[0 if role == "source" else 1]
+        names = tuple(o for o in translator.inputs[name] if o != TOKEN_EMBEDDING) if role == "source" else (name,)
+        width = sum(object_width(objects[o], layout) for o in names)
+        if width != expected and not (role == "source" and translator.token_identity and width < expected):
+            problems.append(f"its {name} map {verb} {role} width {expected}, the {role}'s {'+'.join(names)} is {width}")
     return problems
 
 
@@ -155,13 +160,12 @@ def identity_translator(layout: CacheLayout, point: str = DEFAULT_POINT) -> Tran
     the speed benchmark should time for a model switched into a copy of itself.
     """
     objects = cache_objects(layout)
-    width = shared_width(objects, layout)
+    widths = {obj.name: object_width(obj, layout) for obj in objects}
     assignment = {obj.name: {layer: (layer,) for layer in range(layout.n_layers)} for obj in objects}
-    translator = Translator(assignment, width, width, check_point(point))
-    eye = torch.eye(width)
+    translator = Translator(assignment, widths, widths, check_point(point))
     for name in translator.objects:
         for layer in range(layout.n_layers):
-            translator.set_weight(name, layer, eye)
+            translator.set_weight(name, layer, torch.eye(widths[name]))
     return translator
 
 
@@ -196,10 +200,12 @@ def translated_cache(
     positions = source_capture.positions
     device, dtype = target.model.device, next(target.model.parameters()).dtype
     objects = cache_objects(target.layout)
+    sources = source_capture.objects if translator is None else translator.with_token_embedding(
+        source_capture.objects, source_capture.token_ids)
 
     def layers():
         for layer in range(target.layout.n_layers):
-            translated = _translate_layer(translator, source_capture, layer)
+            translated = _translate_layer(translator, sources, layer)
             expected = {obj.name: (len(positions), obj.width(target.layout.layers[layer])) for obj in objects}
             got = {name: tuple(translated[name].shape) if name in translated else None for name in expected}
             if got != expected:
@@ -208,25 +214,30 @@ def translated_cache(
                     "translator fitted for this pair"
                 )
             # build_cache's order: cast to the model's dtype, then k-norm/RoPE at the target positions.
-            yield tuple(
+            yield [
                 engine_tensor(obj, target.model, target.layout, layer, translated[obj.name].to(device, dtype),
                               point=point, positions=positions)
                 for obj in objects
-            )
+            ]
 
     with torch.no_grad():
-        return DynamicCache(ddp_cache_data=layers(), config=target.model.config)
+        cache = DynamicCache(config=target.model.config)
+        for layer, engine in enumerate(layers()):
+            fill_cache_layer(cache, layer, objects, engine)
+        return cache
 
 
-def _translate_layer(translator: Translator | None, cap: Capture, layer: int) -> dict[str, torch.Tensor]:
-    """Each cache object of one target layer (name → [n_tokens, d_tgt]) from a source capture."""
+def _translate_layer(translator: Translator | None, sources, layer: int) -> dict[str, torch.Tensor]:
+    """Each cache object of one target layer (name → [n_tokens, d_tgt]) from a source capture's objects (with
+    the token embedding when the maps read it)."""
     if translator is None:
-        return {name: xs[layer] for name, xs in cap.objects.items()}
+        return {name: xs[layer] for name, xs in sources.items()}
     device = next(translator.parameters()).device
     # Only the source layers this target layer reads (moving nothing when they already share a device).
     return {
         name: translator.translate_layer(
-            name, layer, {s: cap.objects[name][s].to(device) for s in translator.assignment[name][layer]}
+            name, layer,
+            {o: {s: sources[o][s].to(device) for s in translator.assignment[name][layer]} for o in translator.inputs[name]},
         )
         for name in translator.objects
     }
