@@ -637,8 +637,14 @@ def ensure_tiny_model(name: str, *, home: Path | None = None, progress: bool = T
     """Directory of the built model ``name``, training it first if no matching cache exists.
 
     The directory loads with ``AutoModelForCausalLM.from_pretrained`` and
-    ``AutoTokenizer.from_pretrained``. Unknown names raise :class:`ConfigError`.
+    ``AutoTokenizer.from_pretrained``. Names of the derived MLA/DSA family are built by
+    :func:`infra.mla_models.ensure_mla_model`. Unknown names raise :class:`ConfigError`.
     """
+    if name not in TINY_MODELS:
+        from infra import mla_models  # lazy: mla_models builds on this module
+
+        if name in mla_models.MLA_MODELS:
+            return mla_models.ensure_mla_model(name, home=home, progress=progress)
     spec = _spec_for(name)
     models_dir = Path(home if home is not None else kvlingo_home()) / "models"
     final = models_dir / name

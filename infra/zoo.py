@@ -4,7 +4,8 @@ Sources:
 - `gguf_package`: a GGUF file shipped inside a PyPI package (runs offline here). The first load dequantises
   it (~20 s) and keeps a float copy as safetensors under the platform's data directory, keyed by the GGUF's
   sha256, so later loads take about a second.
-- `embedded`: the platform's own tiny trained pair, built on first use (`infra.tiny_models`).
+- `embedded`: the platform's own tiny trained pair, built on first use (`infra.tiny_models`), and the MLA/DSA
+  family derived from it (`infra.mla_models`).
 - `hub`: a Hugging Face hub id; offline (the default) it must already be in the local HF cache.
 - `local`: a directory with `config.json` (any HF causal LM saved with `save_pretrained`).
 """
@@ -76,6 +77,24 @@ ZOO: dict[str, ModelSpec] = {
             "embedded",
             "kvlingo-tiny-l",
             "embedded Qwen3-architecture model, 6 layers, wider, same tokenizer as kvlingo-tiny-s",
+        ),
+        ModelSpec(
+            "kvlingo-tiny-s-mla",
+            "embedded",
+            "kvlingo-tiny-s-mla",
+            "embedded DeepSeek-V3 (MLA) conversion of kvlingo-tiny-s, distilled; derived by kvlingo on first use",
+        ),
+        ModelSpec(
+            "kvlingo-tiny-l-mla",
+            "embedded",
+            "kvlingo-tiny-l-mla",
+            "embedded DeepSeek-V3 (MLA) conversion of kvlingo-tiny-l, distilled; derived by kvlingo on first use",
+        ),
+        ModelSpec(
+            "kvlingo-tiny-s-dsa",
+            "embedded",
+            "kvlingo-tiny-s-dsa",
+            "embedded DeepSeek-V3.2 (sparse attention, lightning indexer) derived from kvlingo-tiny-s-mla",
         ),
         ModelSpec(
             "smollm2-135m-instruct",
