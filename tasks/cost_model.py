@@ -68,6 +68,12 @@ class ModelShape:
             UnsupportedConfigError: a size is missing or not a positive integer, naming the keys.
         """
         text = config.get("text_config") or config
+        if "kv_lora_rank" in text:
+            # An MLA cache is a latent and a rotary key, not kv_heads·head_dim keys and values: these formulas
+            # would be silently wrong for it.
+            raise UnsupportedConfigError(
+                f"{name}: an MLA config (kv_lora_rank); the cost model reads GQA configs only. Fit the pair "
+                "directly (`kvlingo fit`): its summary reports the statistics' size (stats_mb) and wall time")
         missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
                                "vocab_size") if not isinstance(text.get(k), int) or text.get(k) < 1]
         if missing:

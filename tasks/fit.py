@@ -376,6 +376,23 @@ def merge_stats(parts: list[dict]) -> dict:
     return {name: functools.reduce(lambda a, b: a.merge(b), [p[name] for p in parts]) for name in parts[0]}
 
 
+def codebook_accuracy_on(plan: FitPlan, pairs: list) -> float:
+    """Share of the held-out prefixes' tokens the codebook decodes from the source's layer-0 cache."""
+    from translators.capture import capture
+    from translators.token_identity import Codebook
+
+    module = plan.token_identity
+    codebook = Codebook(module.codebook_object, module.codebook_point, module.codebook_rows)
+    hits = total = 0
+    with torch.no_grad():
+        for prefix, _continuation in pairs:
+            cap = capture(plan.source.model, plan.source.layout, prefix, plan.config.point)
+            decoded = codebook.decode(cap.objects[codebook.object][0]).cpu()
+            hits += int((decoded == prefix.cpu()).sum())
+            total += prefix.numel()
+    return hits / total
+
+
 def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any, dict[str, Any]]:
     """Assignment, closed-form maps, held-out R², validation KL beside the two controls; saves the artifact."""
     from translators.artifact import save_translator
@@ -399,6 +416,9 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
     }
     if plan.cross_tokenizer:  # the target's own boilerplate alone (BOS, headers): what translated content adds to
         kl["boilerplate_only"] = validation_kl(src, tgt, pairs, None, condition="boilerplate_only")
+    extra = {}
+    if config.token_identity == "codebook":  # how much of the prompt the source's cache gives away (privacy)
+        extra["codebook_accuracy"] = codebook_accuracy_on(plan, pairs)
     summary = {
         "source": plan.source.name,
         "target": plan.target.name,
@@ -408,6 +428,7 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         "first_token_kl": {name: v.first_token for name, v in kl.items()},
         "r2": {name: sum(values) / len(values) for name, values in r2.items()},
         "r2_per_layer": r2,
+        **extra,
         "assignment": {name: {str(t): list(s) for t, s in layers.items()} for name, layers in assignment.items()},
         "n_train": len(plan.train),
         "n_val": len(plan.val),

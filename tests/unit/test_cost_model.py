@@ -107,6 +107,8 @@ def test_bad_inputs_are_config_errors():
         ModelShape.from_config("broken", {"num_hidden_layers": 2})
     with pytest.raises(ConfigError, match="mfu"):
         Throughput(mfu=1.5)
+    with pytest.raises(ConfigError, match="MLA config.*GQA configs only"):
+        ModelShape.from_config("mla", {**SMALL, "kv_lora_rank": 4, "qk_rope_head_dim": 2})
 
 
 def test_plan_cli_reads_hub_configs_from_a_folder(tmp_path, monkeypatch):

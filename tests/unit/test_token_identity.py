@@ -131,6 +131,7 @@ def test_fit_cli_with_token_identity(tmp_path, kvlingo_home):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert set(summary["r2"]) == {"latent", "rope_key", "indexer_keys"}
+    assert summary["codebook_accuracy"] == 1.0  # every held-out token read back from the source's cache
     manifest = json.loads((tmp_path / "out" / "closed_form" / "manifest.json").read_text())
     assert manifest["token_identity"] == "codebook"
     assert manifest["inputs"]["indexer_keys"] == ["latent", "rope_key", TOKEN_EMBEDDING]
