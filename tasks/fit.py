@@ -379,10 +379,8 @@ def merge_stats(parts: list[dict]) -> dict:
 def codebook_accuracy_on(plan: FitPlan, pairs: list) -> float:
     """Share of the held-out prefixes' tokens the codebook decodes from the source's layer-0 cache."""
     from translators.capture import capture
-    from translators.token_identity import Codebook
 
-    module = plan.token_identity
-    codebook = Codebook(module.codebook_object, module.codebook_point, module.codebook_rows)
+    codebook = plan.token_identity.codebook()
     hits = total = 0
     with torch.no_grad():
         for prefix, _continuation in pairs:

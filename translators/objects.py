@@ -235,19 +235,6 @@ def object_width(obj: CacheObject, layout: CacheLayout) -> int:
     return widths.pop()
 
 
-def shared_width(objects: tuple[CacheObject, ...], layout: CacheLayout) -> int:
-    """The one width of `objects` in `layout` (a translator's maps share one width).
-
-    Raises:
-        UnsupportedModelError: the objects' widths differ (from each other or across layers).
-    """
-    widths = {object_width(obj, layout) for obj in objects}
-    if len(widths) != 1:
-        names = ", ".join(obj.name for obj in objects)
-        raise UnsupportedModelError(f"{layout.family}: {names} have different widths {sorted(widths)}")
-    return widths.pop()
-
-
 def engine_tensor(
     obj: CacheObject, model: nn.Module, layout: CacheLayout, layer: int, x: torch.Tensor, *, point: str,
     positions: torch.Tensor,

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from translators.errors import ConfigError
+from translators.errors import ConfigError, PairMismatchError
 from translators.layout import CacheLayout, decoder_of
-from translators.objects import LATENT, VALUES, CacheObject, cache_objects
+from translators.objects import LATENT, VALUES, CacheObject, cache_objects, object_width
 from translators.translator import TOKEN_EMBEDDING, Translator
 
 VARIANTS = ("codebook", "ids")
@@ -138,8 +138,11 @@ class TokenIdentity(nn.Module):
             if token_ids is None:
                 raise ConfigError("this translator reads token ids (token identity 'ids'): pass the prompt's ids")
             return token_ids.view(-1)
-        codebook = Codebook(self.codebook_object, self.codebook_point, self.codebook_rows)
-        return codebook.decode(sources[self.codebook_object][0])
+        return self.codebook().decode(sources[self.codebook_object][0])
+
+    def codebook(self) -> Codebook:
+        """The source's codebook (the `codebook` variant only)."""
+        return Codebook(self.codebook_object, self.codebook_point, self.codebook_rows)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """[n] ids → [n, d_model] rows of the target's input embedding.
@@ -176,8 +179,6 @@ def attach_token_identity(translator: Translator, source_model: nn.Module, sourc
     """
     if translator.token_identity is None:
         return translator
-    from translators.errors import PairMismatchError
-
     module = make_token_identity(translator.token_identity, source_model, source_layout, target_model, translator.point)
     expected = {translator.widths(name)[0] - _width_without_tokens(translator, name, source_layout) for name in translator.objects}
     if expected != {module.width}:
@@ -188,8 +189,6 @@ def attach_token_identity(translator: Translator, source_model: nn.Module, sourc
 
 def _width_without_tokens(translator: Translator, name: str, layout: CacheLayout) -> int:
     by_name = {obj.name: obj for obj in cache_objects(layout)}
-    from translators.objects import object_width
-
     return sum(object_width(by_name[o], layout) for o in translator.inputs[name] if o != TOKEN_EMBEDDING)
 
 
