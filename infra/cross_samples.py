@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,8 +27,9 @@ import torch
 from infra.chat import has_chat_template, render_chat
 from infra.conversations import Conversation
 from infra.samples import _eligible_turns, _leading_special_ids, _render_pair, _rng
-from translators.alignment import AlignmentError, Span, align, token_offsets
+from translators.alignment import AlignmentError, Span, align, content_spans, content_tokens, token_offsets
 from translators.cross import CrossSample
+from translators.cross_conversation import ModelFormat
 from translators.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -42,44 +44,18 @@ def render_prefix(tokenizer: Any, messages: Conversation) -> tuple[str, list[int
     Raises:
         AlignmentError: the tokenizer gives no character offsets.
     """
-    text = render_chat(tokenizer, messages, generation_prompt=True)
-    ids, offsets = token_offsets(tokenizer, text)
-    if not has_chat_template(tokenizer):
-        lead = _leading_special_ids(tokenizer)
-        ids, offsets = lead + ids, [(0, 0)] * len(lead) + offsets
+    fmt = model_format(tokenizer)
+    text = fmt.render(messages, generation_prompt=True)
+    ids, offsets = fmt.tokens(text, first=True)
     return text, ids, offsets
 
 
-def content_spans(text: str, messages: Conversation) -> list[Span | None]:
-    """Where each message's (stripped) content sits in a render, searched in order; None where the template
-    changed it beyond recognition."""
-    spans: list[Span | None] = []
-    cursor = 0
-    for message in messages:
-        content = str(message.get("content", "")).strip()
-        start = text.find(content, cursor) if content else -1
-        if start < 0:
-            spans.append(None)
-            continue
-        spans.append((start, start + len(content)))
-        cursor = start + len(content)
-    return spans
-
-
-def _content_tokens(text: str, offsets: Sequence[Span], span: Span) -> tuple[list[int], list[Span]]:
-    """Tokens of a render that belong to the content `span`: those overlapping it whose characters outside it
-    are whitespace only; with their spans clipped to the content, relative to its start."""
-    a, b = span
-    indices, clipped = [], []
-    for i, (s, e) in enumerate(offsets):
-        if e <= a or s >= b or s >= e:
-            continue
-        outside = text[s:max(s, a)] + text[min(e, b):e]
-        if outside.strip():
-            continue
-        indices.append(i)
-        clipped.append((max(s, a) - a, min(e, b) - a))
-    return indices, clipped
+def model_format(tokenizer: Any) -> ModelFormat:
+    """How a model writes a conversation, for `translators.cross_conversation`: `infra.chat.render_chat` with its
+    tokenizer, plus the leading special tokens its tokenizer adds by itself when it has no chat template (a
+    template writes its BOS into the text itself)."""
+    lead = () if has_chat_template(tokenizer) else tuple(_leading_special_ids(tokenizer))
+    return ModelFormat(tokenizer, partial(render_chat, tokenizer), lead)
 
 
 def cross_prompt(
@@ -105,8 +81,8 @@ def cross_prompt(
         if s_span is None or t_span is None:
             skipped["messages a template changed (prefilled)"] += 1
             continue
-        s_idx, s_rel = _content_tokens(src_text, src_off, s_span)
-        t_idx, t_rel = _content_tokens(tgt_text, tgt_off, t_span)
+        s_idx, s_rel = content_tokens(src_text, src_off, s_span)
+        t_idx, t_rel = content_tokens(tgt_text, tgt_off, t_span)
         try:
             alignment = align(s_rel, t_rel, text=src_text[s_span[0]:s_span[1]])
         except AlignmentError:

@@ -17,7 +17,7 @@ def same_tokenizer(source: LoadedModel, target: LoadedModel) -> bool:
 
 
 def check_same_tokenizer(source: LoadedModel, target: LoadedModel) -> None:
-    """For commands that read token ids shared by both models (multi-turn hand-off, bench step): refuse a pair
+    """For commands that read token ids shared by both models (bench step): refuse a pair
     whose tokenizers differ, naming the difference and the commands that align such pairs.
 
     Raises:
@@ -41,7 +41,7 @@ def check_same_tokenizer(source: LoadedModel, target: LoadedModel) -> None:
     raise PairMismatchError(
         f"{source.name} and {target.name} use different tokenizers ({'; '.join(details)}). This command needs a "
         "shared tokenizer; pairs that tokenize differently are aligned by `kvlingo fit`, `kvlingo eval` "
-        "(--benchmark needle_codes / xquad_multiturn) and `kvlingo bench speed`. Pick a pair from one model family."
+        "(--benchmark needle_codes / xquad_multiturn), `kvlingo bench speed` and `kvlingo bench multiturn`. Pick a pair from one model family."
     )
 
 

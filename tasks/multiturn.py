@@ -6,6 +6,12 @@ answer in its first line). The same conversations are run in each mode: `reprefi
 lacks itself: the reference), `segment` (only the span written since a model last held the conversation is
 translated) and `naive` (the incoming model's line is a translation of the outgoing model's whole line, so
 translated content gets translated again).
+
+Pairs whose models tokenize differently run the same conversations as messages
+(`translators.cross_conversation.CrossConversation`): each model renders the history in its own format and keeps
+its own cache line over its rendering; translated content is aligned character by character onto the receiver's
+tokens and the receiver prefills its own turn headers. A message whose two tokenizations cannot be aligned is read
+by the receiver itself (counted in `messages_read_natively`).
 """
 
 from __future__ import annotations
@@ -55,14 +61,12 @@ def run_multiturn(
     Raises:
         ConfigError: turns outside 2..MAX_HANDOFF_TURNS, unknown stage, a malformed reference, a reference and a
             fit directory for one direction, a missing translator artifact (says which fit to run).
-        PairMismatchError: an artifact fitted for another pair.
+        PairMismatchError: an artifact fitted for another pair (another tokenizer included), or the identity between
+            models whose caches differ.
     """
-    from infra.chat import stop_ids
-    from infra.pairs import check_same_tokenizer
+    from infra.pairs import same_tokenizer
     from infra.zoo import load_model
     from registry.translator_ref import load_translator_ref
-    from translators.conversation import Conversation
-    from translators.generation import GenerationSettings
     from translators.stage1 import Side
 
     if not 2 <= turns <= MAX_HANDOFF_TURNS or n_conversations < 1:
@@ -74,39 +78,92 @@ def run_multiturn(
     refs = {("A", "B"): _given_ref(translator_ab, fit_dir_ab, "ab"), ("B", "A"): _given_ref(translator_ba, fit_dir_ba, "ba")}
     loaded = {"A": load_model(model_a), "B": load_model(model_b)}
     a, b = loaded["A"], loaded["B"]
-    check_same_tokenizer(a, b)
+    cross = not same_tokenizer(a, b)
     for (src, tgt), ref in refs.items():
         if ref is None:
             refs[(src, tgt)] = _fit_ref(fit_dirs[(src, tgt)], stage, loaded[src].name, loaded[tgt].name)
     translators = {(src, tgt): load_translator_ref(ref, loaded[src], loaded[tgt]) for (src, tgt), ref in refs.items()}
     sides = {"A": Side(a.model, a.layout), "B": Side(b.model, b.layout)}
-    tokenizer = b.tokenizer
-    settings = GenerationSettings(max_new_tokens=max_new_tokens, stop_ids=stop_ids(tokenizer))
+    dialogue = (_CrossDialogue(loaded, sides, translators, max_new_tokens) if cross
+                else _SharedDialogue(b.tokenizer, sides, translators, max_new_tokens))
     conversations = handoff_conversations(n_conversations, turns, seed)
     result: dict[str, Any] = {"model_a": a.name, "model_b": b.name, "stage": stage, "turns": turns,
-                              "n_conversations": n_conversations,
+                              "n_conversations": n_conversations, "cross_tokenizer": cross,
                               "translators": {"ab": refs[("A", "B")].text, "ba": refs[("B", "A")].text}, "modes": {}}
     for mode in MODES:
         hits = [[0.0] * n_conversations for _ in range(turns)]
-        max_count = 0
+        max_count, native_reads = 0, 0
         for c, item in enumerate(conversations):
-            conv = Conversation(sides, holder="A", translators=translators, mode=mode, tokenizer=tokenizer)
-            conv.append(_block(tokenizer, item.opening, generation_prompt=False, after_turn=False))
+            conv = dialogue.start(mode, item.opening)
             for t, (question, gold) in enumerate(item.questions):
                 holder = "A" if t % 2 == 0 else "B"
                 if conv.holder != holder:
                     conv.switch_to(holder)
-                conv.append(_block(tokenizer, [{"role": "user", "content": question}], generation_prompt=True,
-                                   after_turn=t > 0))
-                answer = conv.generate(settings).text or ""
+                answer = dialogue.ask(conv, question, t)
                 hits[t][c] = float(gold.lower() in answer.strip().split("\n")[0].lower())
             max_count = max(max_count, conv.max_translation_count())
+            native_reads += len(getattr(conv, "fallbacks", ()))
         result["modes"][mode] = {
             "per_turn": [sum(h) / n_conversations for h in hits],
             "mean": sum(sum(h) for h in hits) / (turns * n_conversations),
             "max_times_a_span_was_translated": max_count,
         }
+        if cross:
+            result["modes"][mode]["messages_read_natively"] = native_reads
     return result
+
+
+class _SharedDialogue:
+    """Hand-offs over one shared token history (both models use one tokenizer)."""
+
+    def __init__(self, tokenizer, sides, translators, max_new_tokens: int):
+        from infra.chat import stop_ids
+        from translators.generation import GenerationSettings
+
+        self.tokenizer, self.sides, self.translators = tokenizer, sides, translators
+        self.settings = GenerationSettings(max_new_tokens=max_new_tokens, stop_ids=stop_ids(tokenizer))
+
+    def start(self, mode: str, opening: list[dict]):
+        """A conversation in `mode` held by A, its opening appended."""
+        from translators.conversation import Conversation
+
+        conv = Conversation(self.sides, holder="A", translators=self.translators, mode=mode, tokenizer=self.tokenizer)
+        conv.append(_block(self.tokenizer, opening, generation_prompt=False, after_turn=False))
+        return conv
+
+    def ask(self, conv, question: str, turn: int) -> str:
+        """The holder's answer text to `question` (turn index `turn`, 0-based)."""
+        conv.append(_block(self.tokenizer, [{"role": "user", "content": question}], generation_prompt=True,
+                           after_turn=turn > 0))
+        return conv.generate(self.settings).text or ""
+
+
+class _CrossDialogue:
+    """Hand-offs over a message history each model renders in its own format (different tokenizers)."""
+
+    def __init__(self, loaded, sides, translators, max_new_tokens: int):
+        from infra.chat import stop_ids
+        from infra.cross_samples import model_format
+        from translators.generation import GenerationSettings
+
+        self.sides, self.translators = sides, translators
+        self.formats = {name: model_format(m.tokenizer) for name, m in loaded.items()}
+        self.settings = {name: GenerationSettings(max_new_tokens=max_new_tokens, stop_ids=stop_ids(m.tokenizer))
+                         for name, m in loaded.items()}
+
+    def start(self, mode: str, opening: list[dict]):
+        """A conversation in `mode` held by A, its opening appended (messages it reads when it first answers)."""
+        from translators.cross_conversation import CrossConversation
+
+        conv = CrossConversation(self.sides, self.formats, holder="A", translators=self.translators, mode=mode,
+                                 unaligned="prefill")
+        conv.append(opening)
+        return conv
+
+    def ask(self, conv, question: str, turn: int) -> str:
+        """The holder's answer text to `question`."""
+        conv.append([{"role": "user", "content": question}])
+        return conv.generate(self.settings[conv.holder]).text or ""
 
 
 def _given_ref(text: str | None, fit_dir: Path | None, direction: str):

@@ -8,6 +8,9 @@ and a lone source token to the group's first target token. Translated keys of a 
 the position of its assigned target token; its stage-1 regression target is the mean of its group's target
 rows.
 
+Messages rendered by a chat format are located in the rendering by :func:`content_spans` and their tokens picked by
+:func:`content_tokens`: the content is aligned, the format's boilerplate around it is not.
+
 Spans are ``[start, end)`` character offsets as given by a fast HF tokenizer's ``return_offsets_mapping``.
 Byte-level tokenizers split one non-ASCII character into several tokens sharing the same span: a cut never
 falls between them.
@@ -335,3 +338,49 @@ def align(source: Sequence[Span], target: Sequence[Span], *, text: str) -> Align
         group_of_source=tuple(group_of_source),
         group_of_target=tuple(group_of_target),
     )
+
+
+# ---------------------------------------------------------------------- message content inside a rendering
+
+
+def content_spans(text: str, messages: Sequence[Any]) -> list[Span | None]:
+    """Where each message's (stripped) content sits in a rendering ``text``, searched in order; None where the
+    format changed it beyond recognition (or the content is empty).
+
+    Args:
+        messages: ``{"role", "content"}`` mappings, in the order the rendering writes them.
+    Returns:
+        [len(messages)] character spans ``(start, end)`` into ``text``, or None.
+    """
+    spans: list[Span | None] = []
+    cursor = 0
+    for message in messages:
+        content = str(message.get("content", "")).strip()
+        start = text.find(content, cursor) if content else -1
+        if start < 0:
+            spans.append(None)
+            continue
+        spans.append((start, start + len(content)))
+        cursor = start + len(content)
+    return spans
+
+
+def content_tokens(text: str, offsets: Sequence[Span], span: Span) -> tuple[list[int], list[Span]]:
+    """Tokens of a rendering that belong to the content ``span``: those overlapping it whose characters outside
+    it are whitespace only (SentencePiece's "▁Hello", byte-level BPE's "ĠHello" reach into the template's space).
+
+    Returns:
+        ``(indices, clipped)``: indices into ``offsets``, and each token's span clipped to the content, relative
+        to the content's start (what :func:`align` takes for the content's text).
+    """
+    a, b = span
+    indices, clipped = [], []
+    for i, (s, e) in enumerate(offsets):
+        if e <= a or s >= b or s >= e:
+            continue
+        outside = text[s:max(s, a)] + text[min(e, b):e]
+        if outside.strip():
+            continue
+        indices.append(i)
+        clipped.append((max(s, a) - a, min(e, b) - a))
+    return indices, clipped

@@ -71,8 +71,10 @@ class LineSegment:
 class CacheLine:
     """One model's cache of the history's first `n_tokens` tokens.
 
-    objects[name][l]: [n_tokens, width] fp32 of cache object `name` (GQA: "keys" at capture point `point`,
-    "values") in layer l; positions: [n_tokens].
+    objects[name][l]: [n_entries, width] fp32 of cache object `name` (GQA: "keys" at capture point `point`,
+    "values") in layer l; positions: [n_entries], the position each entry's key is rotated at. With one tokenizer
+    every token has one entry at its own position (n_entries == n_tokens); a span translated across tokenizers
+    (`translators.cross_conversation`) holds one entry per translated source token at its assigned position.
     """
 
     point: str
@@ -80,6 +82,7 @@ class CacheLine:
     positions: torch.Tensor
     segments: list[LineSegment] = field(default_factory=list)
     translated_since_turn: int | None = None  # turn count when translated content first entered (None: native)
+    covered: int = 0  # history tokens the line covers (the end of its last segment)
 
     @classmethod
     def empty(cls, layout: CacheLayout, point: str, device: torch.device) -> CacheLine:
@@ -101,15 +104,27 @@ class CacheLine:
 
     @property
     def n_tokens(self) -> int:
+        """History tokens the line covers."""
+        return self.covered
+
+    @property
+    def n_entries(self) -> int:
+        """Cache entries the line holds (n_tokens unless spans were translated across tokenizers)."""
         return int(self.positions.shape[0])
 
-    def append(self, tensors: Mapping[str, Sequence[torch.Tensor]], start: int, origin: str, hops: int) -> None:
-        """Append a span at positions start.. (start must equal n_tokens: lines grow without gaps).
+    def append(
+        self, tensors: Mapping[str, Sequence[torch.Tensor]], start: int, origin: str, hops: int, *,
+        positions: torch.Tensor | None = None, end: int | None = None,
+    ) -> None:
+        """Append a span covering history tokens [start, end) (start must equal n_tokens: lines grow without gaps).
 
         Args:
             tensors: object name → per layer [n_new, width], for every object of the line.
+            positions: [n_new] where each entry's key is rotated, inside [start, end); default start..start+n_new-1.
+            end: the end of the covered span; default start + n_new (one entry per token).
         Raises:
-            ConversationStateError: a gap or overlap, other objects, or a wrong number of layers.
+            ConversationStateError: a gap or overlap, other objects, a wrong number of layers, or positions outside
+                the span.
         """
         if start != self.n_tokens:
             raise ConversationStateError(f"a span starting at {start} cannot follow a line of {self.n_tokens} tokens")
@@ -124,9 +139,15 @@ class CacheLine:
             name: [torch.cat([old, new.detach().to(device, torch.float32)]) for old, new in zip(xs, tensors[name])]
             for name, xs in self.objects.items()
         }
-        self.positions = torch.cat([self.positions, torch.arange(start, start + n)])
-        if n:
-            self.segments.append(LineSegment(start, start + n, origin, hops))
+        end = start + n if end is None else end
+        positions = torch.arange(start, start + n) if positions is None else positions.detach().cpu().long()
+        if positions.shape != (n,) or (n and (int(positions.min()) < start or int(positions.max()) >= end)):
+            raise ConversationStateError(f"{n} entries need {n} positions inside the span [{start}, {end}), got "
+                                         f"{positions.tolist()}")
+        self.positions = torch.cat([self.positions, positions])
+        self.covered = end
+        if end > start:
+            self.segments.append(LineSegment(start, end, origin, hops))
 
     def slice(self, start: int, end: int) -> dict[str, list[torch.Tensor]]:
         """Each object's tokens [start, end): name → list over layers of [end - start, width]."""
@@ -134,7 +155,7 @@ class CacheLine:
 
     def to_cache(self, side: Side) -> DynamicCache:
         """A fresh engine cache holding this line (the model's k-norm and RoPE applied at the line's positions)."""
-        if self.n_tokens == 0:
+        if self.n_entries == 0:
             return DynamicCache(config=side.model.config)
         return write_cache(side.model, side.layout, self.objects, point=self.point, positions=self.positions)
 
@@ -384,14 +405,23 @@ class Conversation:
             )
 
     def _name(self, name: str) -> str:
-        if name not in self.models:
-            close = difflib.get_close_matches(str(name), list(self.models), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown model {name!r} in this conversation{hint} (models: {', '.join(self.models)})")
-        return name
+        return _model_name(self.models, name)
 
 
 # --- Module helpers -------------------------------------------------------------------------------
+
+
+def _model_name(models: Mapping[str, Any], name: str) -> str:
+    """`name` when it names one of `models`.
+
+    Raises:
+        ConfigError: an unknown name, with the closest known one.
+    """
+    if name not in models:
+        close = difflib.get_close_matches(str(name), list(models), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown model {name!r} in this conversation{hint} (models: {', '.join(models)})")
+    return name
 
 
 def _check_mode(mode: str) -> None:

@@ -190,22 +190,40 @@ def mixed_cache(
             `cache_objects(layout)` order; None writes nothing (the `empty_prefix`-style control keeps only the
             boilerplate).
     """
-    objects = cache_objects(layout)
-    dtype = next(model.parameters()).dtype
     cache = DynamicCache(config=model.config)
-    decoder = decoder_of(model)
     for kind, lo, hi in sample.segments():
         if kind == PREFILL:
-            ids = sample.target_ids[lo:hi].view(1, -1).to(model.device)
-            positions = torch.arange(lo, hi, device=model.device).view(1, -1)
-            decoder(input_ids=ids, cache=cache, use_cache=True, position_ids=positions)
+            prefill_run(model, cache, sample.target_ids[lo:hi], lo)
         elif tensors is not None:
-            positions = sample.positions[lo:hi]
-            for i in range(layout.n_layers):
-                engine = [engine_tensor(obj, model, layout, i, tensors[obj.name][i][lo:hi].to(dtype), point=point,
-                                        positions=positions) for obj in objects]
-                fill_cache_layer(cache, i, objects, engine)
+            write_run(model, layout, cache, {name: [x[lo:hi] for x in xs] for name, xs in tensors.items()},
+                      sample.positions[lo:hi], point)
     return cache
+
+
+def prefill_run(model: nn.Module, cache: DynamicCache, ids: torch.Tensor, start: int) -> None:
+    """The model reads ids ([n] int64) at positions start..start+n-1 on top of `cache` (extended in place): a
+    boilerplate run of a mixed cache. Positions are explicit because a mixed cache holds fewer or more entries
+    than the positions it spans."""
+    positions = torch.arange(start, start + ids.numel(), device=model.device).view(1, -1)
+    decoder_of(model)(input_ids=ids.view(1, -1).to(model.device), cache=cache, use_cache=True, position_ids=positions)
+
+
+def write_run(
+    model: nn.Module, layout: CacheLayout, cache: DynamicCache, tensors: Mapping[str, Sequence[torch.Tensor]],
+    positions: torch.Tensor, point: str,
+) -> None:
+    """Append translated cache objects to `cache` (in place): the model's own k-norm and RoPE applied at `positions`.
+
+    Args:
+        tensors: cache object name → per layer [k, width] at `point` (every object of `cache_objects(layout)`).
+        positions: [k] the target position of each entry (repeats and gaps allowed: App. K's assignment).
+    """
+    objects = cache_objects(layout)
+    dtype = next(model.parameters()).dtype
+    for i in range(layout.n_layers):
+        engine = [engine_tensor(obj, model, layout, i, tensors[obj.name][i].to(dtype), point=point, positions=positions)
+                  for obj in objects]
+        fill_cache_layer(cache, i, objects, engine)
 
 
 def student_hidden_cross(
