@@ -132,6 +132,8 @@ def fit(
                               "maps' input: codebook (decoded from the source's layer-0 cache) | ids")] = None,
     data: Annotated[str | None, typer.Option(help="'embedded[:N]', a local json/jsonl file or a HF dataset id")] = None,
     n_train: Annotated[int | None, typer.Option(help="training samples")] = None,
+    stats_samples: Annotated[int | None, typer.Option(help="stage 1 reads the first N training samples (default: "
+                             "the config's)")] = None,
     n_val: Annotated[int | None, typer.Option(help="held-out validation samples")] = None,
     seed: Annotated[int | None, typer.Option(help="seed for sampling and controls")] = None,
     steps: Annotated[int | None, typer.Option(help="stage-2 optimizer steps")] = None,
@@ -161,7 +163,7 @@ def fit(
 
     overrides = dict(
         source=source, target=target, stage1_only=stage1_only or None, assignment=assignment, nu=nu, point=point,
-        ridge=ridge, head_wise=head_wise, weighting=weighting, token_identity=token_identity, data=data, n_train=n_train, n_val=n_val, seed=seed, output_dir=output_dir,
+        ridge=ridge, head_wise=head_wise, weighting=weighting, token_identity=token_identity, data=data, n_train=n_train, stats_samples=stats_samples, n_val=n_val, seed=seed, output_dir=output_dir,
         steps=steps, lr=lr, workers=workers, gpu=gpu, ray_address=ray_address, resume=resume,
     )
     try:
@@ -583,7 +585,7 @@ def plan_command(
     prefix_tokens: Annotated[int, typer.Option(min=2, help="mean prefix length per conversation")] = 512,
     continuation_tokens: Annotated[int, typer.Option(min=1, help="continuation tokens per conversation (stage 2)")] = 64,
     assignment: Annotated[str, typer.Option(help="layer assignment: depth | greedy | r2 (sets the candidate layers)")] = "r2",
-    nu: Annotated[int, typer.Option(min=1, help="source layers per target layer (ν)")] = 1,
+    nu: Annotated[int | None, typer.Option(min=1, help="source layers per target layer (ν; default: kvlingo fit's)")] = None,
     steps: Annotated[int, typer.Option(min=1, help="stage-2 steps")] = 400,
     batch: Annotated[int, typer.Option(min=1, help="stage-2 conversations per step")] = 8,
     bf16_tflops: Annotated[float, typer.Option(help="assumed peak bf16 TFLOP/s per GPU (H100 SXM dense: 989)")] = 989.0,

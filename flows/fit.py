@@ -19,7 +19,7 @@ def run_fit(config: FitConfig) -> dict[str, Any]:
     plan = plan_fit(config)
     with progress_bars() as progress:
         # Shard by shard: a fit killed here and re-run recomputes only the shard that was in progress.
-        stats, train_shards = sharded_stats(plan, plan.train, progress, "stage 1: train statistics")
+        stats, train_shards = sharded_stats(plan, plan.stats_train, progress, "stage 1: train statistics")
         val_stats, val_shards = sharded_stats(plan, plan.val, progress, "stage 1: held-out statistics")
         reused = train_shards["reused"] + val_shards["reused"]
         if reused:

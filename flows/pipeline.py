@@ -66,11 +66,11 @@ def _stage1_unlocked(config: FitConfig, n_shards: int):
         from tasks.fit import shard_samples
         from tasks.prefect_tasks import ray_stats_task
 
-        train_shards, val_shards = shard_samples(plan.train), shard_samples(plan.val)
+        train_shards, val_shards = shard_samples(plan.stats_train), shard_samples(plan.val)
         ray_stats_task(plan, train_shards + val_shards)
         translator, summary = closed_form_task(plan, train_shards, val_shards)
         return plan, translator, summary
-    train_shards, val_shards = _shards(plan.train, n_shards), _shards(plan.val, 1)
+    train_shards, val_shards = _shards(plan.stats_train, n_shards), _shards(plan.val, 1)
     futures = [gram_shard_task.submit(plan, shard) for shard in train_shards + val_shards]
     for future in futures:
         future.result()  # raises the shard's error, if any
@@ -119,7 +119,7 @@ def sweep_flow(
     pairs: list[tuple[str, str]],
     *,
     both_directions: bool = True,
-    centre_lr: float = 3e-3,
+    centre_lr: float = 3e-3,  # kvlingo fit's default lr
     n_rates: int = 5,
     seeds: list[int] | None = None,
     base: dict[str, Any] | None = None,

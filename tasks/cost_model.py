@@ -35,7 +35,7 @@ be replaced by a measurement (`kvlingo plan --measure` checks them on this CPU f
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from translators.errors import ConfigError
@@ -156,6 +156,18 @@ def candidate_sets(source: ModelShape, target: ModelShape, assignment: str, nu: 
     return all_candidates(source.n_layers, target.n_layers, *types)
 
 
+def fit_nu(source: ModelShape, target: ModelShape, nu: int | None) -> int:
+    """ν as `kvlingo fit` resolves it (`translators.stage1.default_nu`): the given one, else DEFAULT_NU capped by
+    the fewest source layers of a target layer's attention type."""
+    from translators.assignment import all_candidates, corresponding_types
+    from translators.stage1 import DEFAULT_NU
+
+    if nu is not None:
+        return nu
+    types = corresponding_types(list(source.layer_types), list(target.layer_types))
+    return min(DEFAULT_NU, min(len(c) for c in all_candidates(source.n_layers, target.n_layers, *types).values()))
+
+
 def gram_counts(candidates: dict[int, tuple[int, ...]]) -> dict[str, int]:
     """How many sums one cache object's statistics hold: source pairs (s ≤ s') that co-occur in a target's
     candidates (d_src × d_src each), (source, target) pairs (d_src × d_tgt each), target layers (scalars)."""
@@ -192,14 +204,14 @@ class Workload:
     prefix_tokens: int = 512
     continuation_tokens: int = 64
     assignment: str = "r2"
-    nu: int = 1
+    nu: int | None = None  # None: `kvlingo fit`'s default for the pair (`fit_nu`)
     steps: int = 400
     batch: int = 8
     shard_samples: int = 32  # conversations per content-addressed statistics shard (tasks.fit.STATS_SHARD_SIZE)
 
     def __post_init__(self):
         for key in ("tokens", "prefix_tokens", "continuation_tokens", "nu", "steps", "batch", "shard_samples"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"{key} must be ≥ 1, got {getattr(self, key)}")
 
     @property
@@ -290,6 +302,7 @@ def estimate(source: ModelShape, target: ModelShape, workload: Workload, gpus: i
     if gpus < 1:
         raise ConfigError(f"gpus must be ≥ 1, got {gpus}")
     tp = throughput or Throughput()
+    workload = replace(workload, nu=fit_nu(source, target, workload.nu))
     cands = candidate_sets(source, target, workload.assignment, workload.nu)
     counts = gram_counts(cands)
     cap = {"source": capture_flops_per_token(source, workload.prefix_tokens),

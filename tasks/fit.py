@@ -70,6 +70,7 @@ class FitPlan:
     train: list
     val: list
     candidates: dict[int, tuple[int, ...]]
+    nu: int  # source layers per target layer: config.nu, or `translators.stage1.default_nu` of the pair
     out: Path
     signatures: dict[str, Any]
     data_manifest: dict[str, Any]  # infra.data_manifest.build_manifest of the train/val split
@@ -91,6 +92,11 @@ class FitPlan:
         from translators.stage1 import Side
 
         return Side(self.source.model, self.source.layout), Side(self.target.model, self.target.layout)
+
+    @property
+    def stats_train(self) -> list:
+        """The training samples stage 1 reads: the first `stats_samples` of them (all when None)."""
+        return self.train[: self.config.stats_samples] if self.config.stats_samples else self.train
 
     @property
     def val_pairs(self) -> list:
@@ -121,13 +127,14 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
     from infra.pairs import same_tokenizer
     from infra.samples import build_samples, check_prefix_lengths, split_by_conversation
     from infra.zoo import load_model, model_signature
-    from translators.stage1 import candidate_layers
+    from translators.stage1 import candidate_layers, default_nu
 
     preflight(config)
     loader = loader or load_model
     torch.manual_seed(config.seed)
     source, target = loader(config.source), loader(config.target)
-    candidates = candidate_layers(source.layout, target.layout, config.assignment, config.nu)
+    nu = config.nu if config.nu is not None else default_nu(source.layout, target.layout)
+    candidates = candidate_layers(source.layout, target.layout, config.assignment, nu)
     corpus = load_conversations(config.data, limit=config.n_train + config.n_val, seed=config.seed)
     if same_tokenizer(source, target):
         samples = build_samples(
@@ -160,7 +167,7 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
         from translators.token_identity import make_token_identity
 
         tokens = make_token_identity(config.token_identity, source.model, source.layout, target.model, config.point)
-    return FitPlan(config, source, target, train, val, candidates, out, signatures, manifest, fields,
+    return FitPlan(config, source, target, train, val, candidates, nu, out, signatures, manifest, fields,
                    token_identity=tokens)
 
 
@@ -399,7 +406,7 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
 
     config = plan.config
     src, tgt = plan.sides
-    assignment = assign_layers(stats, plan.source.layout, plan.target.layout, config.assignment, config.nu)
+    assignment = assign_layers(stats, plan.source.layout, plan.target.layout, config.assignment, plan.nu)
     translator = solve_translator(
         stats, assignment, plan.source.layout, plan.target.layout, config.point, ridge=config.ridge,
         head_wise=config.head_wise, token_identity=config.token_identity,
@@ -428,7 +435,9 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         "r2_per_layer": r2,
         **extra,
         "assignment": {name: {str(t): list(s) for t, s in layers.items()} for name, layers in assignment.items()},
+        "nu": plan.nu,
         "n_train": len(plan.train),
+        "n_stats": len(plan.stats_train),
         "n_val": len(plan.val),
         "train_tokens": next(iter(stats.values())).n_tokens,
         # Fixed by the pair and candidate set, not by the data: the statistics hold sums, never design matrices.
@@ -506,7 +515,7 @@ def distill_on_ray(plan: FitPlan, closed_form, summary: dict[str, Any], *, lr: f
                          signatures=plan.signatures, use_gpu=config.gpu)
     payload = {
         "config": config.model_copy(update={"workers": 1, "gpu": False, "ray_address": None}),
-        "train": plan.train, "val": plan.val, "candidates": plan.candidates, "out": str(plan.out),
+        "train": plan.train, "val": plan.val, "candidates": plan.candidates, "nu": plan.nu, "out": str(plan.out),
         "signatures": plan.signatures, "data_manifest": plan.data_manifest, "fingerprint_fields": plan.fingerprint_fields,
         "closed_form": closed_form, "summary": summary, "lr": lr, "seed": seed,
         "cell_dir": str(cell_dir) if cell_dir else None,
@@ -517,7 +526,7 @@ def distill_on_ray(plan: FitPlan, closed_form, summary: dict[str, Any], *, lr: f
 def _distill_in_actor(source, target, payload: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Runs in a Ray actor holding the pair: the plan rebuilt around the actor's models, then `distill`."""
     plan = FitPlan(payload["config"], source, target, payload["train"], payload["val"], payload["candidates"],
-                   Path(payload["out"]), payload["signatures"], payload["data_manifest"], payload["fingerprint_fields"])
+                   payload["nu"], Path(payload["out"]), payload["signatures"], payload["data_manifest"], payload["fingerprint_fields"])
     return distill(plan, payload["closed_form"], payload["summary"], lr=payload["lr"], seed=payload["seed"],
                    cell_dir=Path(payload["cell_dir"]) if payload["cell_dir"] else None)
 

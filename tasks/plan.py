@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tasks.cost_model import ModelShape, Throughput, Workload, capture_flops_per_token, candidate_sets, estimate, gram_flops_per_token
+from tasks.cost_model import ModelShape, Throughput, Workload, capture_flops_per_token, candidate_sets, estimate, fit_nu, gram_flops_per_token
 from translators.errors import ConfigError
 
 
@@ -119,7 +119,7 @@ def _matmul_rate(dtype, size: int = 512, repeats: int = 5) -> float:
 
 
 def measure_stage1(source: str, target: str, *, prefix_tokens: int = 256, samples: int = 4,
-                   assignment: str = "r2", nu: int = 1, point: str = "pre_norm", seed: int = 0) -> dict[str, Any]:
+                   assignment: str = "r2", nu: int | None = None, point: str = "pre_norm", seed: int = 0) -> dict[str, Any]:
     """Time stage 1 per token on this CPU for a pair that runs here, beside the cost model's prediction.
 
     The prediction divides the model's FLOPs by this CPU's measured matmul rate (fp32 for the capture forwards,
@@ -141,7 +141,7 @@ def measure_stage1(source: str, target: str, *, prefix_tokens: int = 256, sample
     src, tgt = load_model(source, device="cpu"), load_model(target, device="cpu")
     shapes = {"source": ModelShape.from_config(src.name, src.model.config.to_dict()),
               "target": ModelShape.from_config(tgt.name, tgt.model.config.to_dict())}
-    cands = candidate_sets(shapes["source"], shapes["target"], assignment, nu)
+    cands = candidate_sets(shapes["source"], shapes["target"], assignment, fit_nu(shapes["source"], shapes["target"], nu))
     stats = empty_stats(src.layout, tgt.layout, cands)
     inputs = object_inputs(src.layout, tgt.layout)
     gen = torch.Generator().manual_seed(seed)

@@ -133,3 +133,17 @@ def test_fit_with_stage2_adds_distilled_kl_and_steps(setup, kvlingo_home):
 def test_non_positive_learning_rate_is_refused_before_loading(setup, kvlingo_home):
     result = runner.invoke(app, ["fit", setup["qwen"], setup["qwen"], "--lr", "0", "--config", setup["config"]])
     assert result.exit_code == 2 and "lr: Input should be greater than 0" in result.stderr
+
+
+def test_stats_samples_limits_stage_one_to_the_first_training_samples(setup, kvlingo_home):
+    every = json.loads(fit(setup, setup["qwen"], setup["llama"], "--output-dir", str(setup["root"] / "all")).stdout)
+    first = json.loads(fit(setup, setup["qwen"], setup["llama"], "--stats-samples", "8",
+                           "--output-dir", str(setup["root"] / "first8")).stdout)
+    assert every["n_stats"] == every["n_train"] > 8 and first["n_stats"] == 8 and first["n_train"] == every["n_train"]
+    assert 0 < first["train_tokens"] < every["train_tokens"]
+    assert first["val_kl"]["closed_form"] != every["val_kl"]["closed_form"]  # fitted on other statistics
+    # As many as the training set holds is the same fit as the default (all of them).
+    same = json.loads(fit(setup, setup["qwen"], setup["llama"], "--stats-samples", str(every["n_train"]),
+                          "--output-dir", str(setup["root"] / "firstall")).stdout)
+    assert same["val_kl"]["closed_form"] == every["val_kl"]["closed_form"]
+    assert same["train_tokens"] == every["train_tokens"]

@@ -31,7 +31,9 @@ def setup(tmp_path_factory):
     fit_config, sweep_config = root / "fit.yaml", root / "sweep.yaml"
     fit_config.write_text(yaml.safe_dump(small))
     # A pair in a config file is overridden by the command line's SOURCE TARGET, as for `kvlingo fit`.
-    sweep_config.write_text(yaml.safe_dump({**small, "ridge": 30.0, "assignment": "depth", "target": "not-the-pair"}))
+    # ν = 1: each target layer reads its own layer, so the shrunk self-map has one clear best rate in the window.
+    sweep_config.write_text(yaml.safe_dump({**small, "ridge": 30.0, "assignment": "depth", "nu": 1,
+                                            "target": "not-the-pair"}))
     return {
         "qwen": str(save_tiny_model_dir("qwen3", root / "qwen3", max_position_embeddings=512)),
         "llama": str(save_tiny_model_dir("llama", root / "llama", max_position_embeddings=512)),

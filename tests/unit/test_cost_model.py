@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tasks.cost_model import (ModelShape, Throughput, Workload, candidate_sets, capture_flops_per_token, estimate,
+from tasks.cost_model import (ModelShape, Throughput, Workload, candidate_sets, capture_flops_per_token, estimate, fit_nu,
                               gram_counts, gram_flops_per_token, map_params, stats_bytes)
 from translators.errors import ConfigError
 
@@ -60,7 +60,7 @@ def test_bytes_and_candidates_match_kvlingo_statistics(family):
     """The cost model's candidate sets and fp64 bytes equal what stage 1 actually allocates."""
     from tiny_configs import tiny_config, tiny_model
     from translators.layout import cache_layout
-    from translators.stage1 import candidate_layers, empty_stats
+    from translators.stage1 import candidate_layers, default_nu, empty_stats
 
     src_model, tgt_model = tiny_model(family), tiny_model(family, seed=1, hidden_size=48)
     src_layout, tgt_layout = cache_layout(src_model), cache_layout(tgt_model)
@@ -73,13 +73,16 @@ def test_bytes_and_candidates_match_kvlingo_statistics(family):
                         for t in part.values())
         assert stats_bytes(src, tgt, cands) == allocated
     assert tiny_config(family).num_hidden_layers == src.n_layers
+    # `kvlingo plan` without --nu costs the ν `kvlingo fit` uses without --nu.
+    assert fit_nu(src, tgt, None) == default_nu(src_layout, tgt_layout) == min(2, min(map(len, candidate_sets(src, tgt, "r2", 1).values())))
+    assert fit_nu(src, tgt, 1) == 1
 
 
 def test_estimate_wall_time_by_hand():
     m = ModelShape.from_config("small", SMALL)
     tp = Throughput(bf16_tflops=1e-9, fp64_tflops=1e-9, mfu=1.0, gram_efficiency=1.0, merge_gb_s=1e-6,
                     allreduce_gb_s=1e-6)  # 1000 FLOP/s, 1000 B/s: seconds are FLOPs / 1000
-    w = Workload(tokens=30, prefix_tokens=3, continuation_tokens=2, assignment="depth", steps=2, batch=4, shard_samples=4)
+    w = Workload(tokens=30, prefix_tokens=3, continuation_tokens=2, assignment="depth", nu=1, steps=2, batch=4, shard_samples=4)
     e = estimate(m, m, w, gpus=2, throughput=tp)
     cap = capture_flops_per_token(m, 3)
     assert e.stage1_flops["capture"] == pytest.approx(30 * 2 * cap)

@@ -145,3 +145,16 @@ def test_attention_weighting_never_switches_the_kernel_under_a_concurrent_captur
     capture(model, side.layout, prefix)
     worker.join()
     assert seen == ["eager", original]  # the weights' forward, then the capture's after the switch back
+
+
+def test_default_nu_reads_two_source_layers_or_all_of_a_type_when_fewer():
+    """`kvlingo fit` without --nu: 2 source layers per target layer, capped by the fewest source layers a target
+    layer may read (its attention type's, when the two models' types correspond)."""
+    from translators.stage1 import DEFAULT_NU, default_nu
+
+    qwen, gemma = (cache_layout(tiny_model(f)) for f in ("qwen3", "gemma3"))
+    assert DEFAULT_NU == 2
+    assert default_nu(qwen, qwen) == 2
+    assert default_nu(gemma, gemma) == 1  # gemma's one global layer is all its global target layer may read
+    assert default_nu(gemma, qwen) == 2  # types that do not correspond are ignored
+    assert default_nu(qwen, gemma) == 2

@@ -21,7 +21,8 @@ def pair(tmp_path_factory):
     # Self-translation from a heavily shrunk closed form (ridge 30): distillation has an optimum in the rate
     # (tests/integration/test_flows.py), so the window extends little beyond its three rates.
     base = {"data": str(data), "max_prefix_tokens": 24, "max_continuation_tokens": 6, "n_train": 8, "n_val": 2,
-            "steps": 2, "batch": 4, "eval_every": 2, "checkpoint_every": 2, "ridge": 30.0, "assignment": "depth"}
+            "steps": 2, "batch": 4, "eval_every": 2, "checkpoint_every": 2, "ridge": 30.0, "assignment": "depth",
+            "nu": 1}
     return {"pairs": [(model, model)], "base": base}
 
 
