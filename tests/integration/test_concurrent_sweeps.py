@@ -29,10 +29,11 @@ def sweep(tmp_path, monkeypatch) -> dict:
     data.write_text("\n".join(json.dumps({"text": words(60, seed=i)}) for i in range(12)))
     model = str(save_tiny_model_dir("qwen3", tmp_path / "q"))
     config = tmp_path / "sweep.yaml"
-    # Self-translation from a shrunk closed form (ridge 30): the best of the three rates is interior.
+    # Self-translation from a shrunk closed form (ridge 30, each target layer reading its own layer: ν = 1): the best
+    # of the three rates is interior.
     config.write_text(yaml.safe_dump({"data": str(data), "max_prefix_tokens": 24, "max_continuation_tokens": 6,
                                       "n_train": 8, "n_val": 2, "steps": 2, "batch": 4, "eval_every": 2,
-                                      "checkpoint_every": 2, "ridge": 30.0, "assignment": "depth"}))
+                                      "checkpoint_every": 2, "ridge": 30.0, "assignment": "depth", "nu": 1}))
     home = tmp_path / "kvlingo-home"
     monkeypatch.setenv("KVLINGO_HOME", str(home))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
