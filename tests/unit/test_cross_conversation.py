@@ -13,7 +13,8 @@ import json
 import pytest
 import torch
 from test_cross_eval import random_translator
-from test_cross_tokenizer import CONVERSATIONS, byte_level_chatml, metaspace_with_bos, tiny_model
+from test_cross_tokenizer import (  # tok_a, tok_b: the two tokenizer fixtures, shared
+    CONVERSATIONS, tiny_model, tok_a, tok_b)
 from tiny_configs import tiny_tokenizer
 from typer.testing import CliRunner
 
@@ -30,16 +31,6 @@ from translators.layout import cache_layout
 from translators.stage1 import Side
 
 SETTINGS = GenerationSettings(max_new_tokens=3)
-
-
-@pytest.fixture(scope="module")
-def tok_a():
-    return byte_level_chatml()
-
-
-@pytest.fixture(scope="module")
-def tok_b():
-    return metaspace_with_bos()
 
 
 def _side(family, tokenizer, seed):

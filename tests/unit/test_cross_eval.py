@@ -15,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_cross_tokenizer import CONVERSATIONS, byte_level_chatml, metaspace_with_bos, tiny_model
+from test_cross_tokenizer import (  # tok_a, tok_b: the two tokenizer fixtures, shared
+    CONVERSATIONS, byte_level_chatml, tiny_model, tok_a, tok_b)
 
 import evals.benchmarks.needle_codes as needle_codes
 from evals.benchmarks import BenchContext, get
@@ -37,16 +38,6 @@ from translators.switch import identity_translator
 from translators.translator import Translator
 
 # ------------------------------------------------------------------------------------------------------ helpers
-
-
-@pytest.fixture(scope="module")
-def tok_a():
-    return byte_level_chatml()
-
-
-@pytest.fixture(scope="module")
-def tok_b():
-    return metaspace_with_bos()
 
 
 def loaded(name, family, tokenizer, tokenizer_id, seed, **fields):
