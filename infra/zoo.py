@@ -5,7 +5,7 @@ Sources:
   it (~20 s) and keeps a float copy as safetensors under the platform's data directory, keyed by the GGUF's
   sha256, so later loads take about a second.
 - `embedded`: the platform's own tiny trained pair, built on first use (`infra.tiny_models`), and the MLA/DSA
-  family derived from it (`infra.mla_models`).
+  family (`infra.mla_models`) and Gated DeltaNet hybrids (`infra.gdn_models`) derived from it.
 - `hub`: a Hugging Face hub id; offline (the default) it must already be in the local HF cache.
 - `local`: a directory with `config.json` (any HF causal LM saved with `save_pretrained`).
 """
@@ -95,6 +95,20 @@ ZOO: dict[str, ModelSpec] = {
             "embedded",
             "kvlingo-tiny-s-dsa",
             "embedded DeepSeek-V3.2 (sparse attention, lightning indexer) derived from kvlingo-tiny-s-mla",
+        ),
+        ModelSpec(
+            "kvlingo-tiny-s-gdn",
+            "embedded",
+            "kvlingo-tiny-s-gdn",
+            "embedded Qwen3.5-class hybrid of kvlingo-tiny-s: layers 0-2 Gated DeltaNet, layer 3 attention; derived "
+            "by kvlingo on first use",
+        ),
+        ModelSpec(
+            "kvlingo-tiny-l-gdn",
+            "embedded",
+            "kvlingo-tiny-l-gdn",
+            "embedded Qwen3.5-class hybrid of kvlingo-tiny-l (GDN layers 0, 1, 3, 4; attention 2, 5), the same state "
+            "geometry as kvlingo-tiny-s-gdn; derived by kvlingo on first use",
         ),
         ModelSpec(
             "smollm2-135m-instruct",
@@ -189,9 +203,10 @@ def _load_pretrained(directory: str, spec: ModelSpec, dtype: torch.dtype):
 def _materialise(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
     """A local directory for `spec` plus the identity that pins its weights."""
     if spec.source == "embedded":
+        from infra.gdn_models import GDN_MODELS, ensure_gdn_model
         from infra.tiny_models import ensure_tiny_model
 
-        directory = ensure_tiny_model(spec.location)
+        directory = ensure_gdn_model(spec.location) if spec.location in GDN_MODELS else ensure_tiny_model(spec.location)
         build = json.loads((directory / "kvlingo_build.json").read_text())
         return str(directory), {"source": "embedded", "name": spec.name, "recipe_hash": build["recipe_hash"]}
     if spec.source == "gguf_package":

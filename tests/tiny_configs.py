@@ -118,3 +118,23 @@ def save_tiny_mla_model_dir(family: str, path, seed: int = 0, **overrides):
     tiny_mla_model(family, seed, **overrides).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+# Gated DeltaNet hybrid (Qwen3.5): layers 0-1 linear attention (conv window + recurrent state), layer 2 attention.
+# Two value heads per key head, so the state's head axis differs from the key heads'.
+_GDN = dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, linear_num_key_heads=1,
+            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention"])
+
+
+def tiny_gdn_config(**overrides):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**{**_COMMON, **_GDN, **overrides})
+
+
+def tiny_gdn_model(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_gdn_config(**overrides), dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return model

@@ -100,3 +100,70 @@ def decode_step(
         kwargs["position_ids"] = torch.arange(position, position + ids.shape[1], device=model.device).view(1, -1)
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
     return out.logits[0]
+
+
+def write_hybrid_cache(
+    model: nn.Module,
+    layout: CacheLayout,
+    tokens: Mapping[str, Mapping[int, torch.Tensor]],
+    states: Mapping[str, Mapping[int, torch.Tensor]],
+    *,
+    point: str,
+    positions: torch.Tensor | None = None,
+) -> DynamicCache:
+    """Build a hybrid target's cache: per-token objects for its attention layers, states for its linear layers.
+
+    Attention layers go through the target's own k-norm and RoPE as in `write_cache`. Each linear-attention
+    layer gets its conv window, then its recurrent state (`objects.LINEAR_STATE` order), out of place: the given
+    tensors are never modified, and decoding on top of the cache keeps their autograd graphs, so stage 2 trains
+    through states as through keys. Build a fresh cache for every forward.
+
+    Args:
+        tokens: object name → {attention layer → [n_tokens, width] at `point`} for every attention layer.
+        states: "conv_window" → {linear layer → [1, C, K]}, "recurrent_state" → {linear layer → [1, Hv, dk, dv]}
+            for every linear-attention layer.
+        positions: [n_tokens] positions of the cached tokens; default 0..n_tokens-1.
+    Raises:
+        ConfigError: a layer's object missing, of the wrong shape, or given for a layer that does not hold it;
+            positions of the wrong shape.
+    """
+    from translators.objects import CacheObject, layer_objects
+
+    held = {(name, i) for group in (tokens, states) for name, xs in group.items() for i in xs}
+    expected = {(obj.name, i) for i in range(layout.n_layers) for obj in layer_objects(layout, i)}
+    if held != expected:
+        missing = sorted(expected - held, key=lambda t: (t[1], t[0]))
+        extra = sorted(held - expected, key=lambda t: (t[1], t[0]))
+        raise ConfigError(
+            f"the target's layers hold {_pairs(expected)}; missing {_pairs(missing) or 'nothing'}, "
+            f"not held {_pairs(extra) or 'nothing'}")
+    first = next((xs for xs in tokens.values() if xs), {})
+    n = next(iter(first.values())).shape[0] if first else 0
+    positions = torch.arange(n) if positions is None else positions
+    if positions.shape != (n,):
+        raise ConfigError(f"positions must have shape [{n}], got {list(positions.shape)}")
+    dtype = next(model.parameters()).dtype
+    cache = DynamicCache(config=model.config)
+    for i in range(layout.n_layers):
+        objects = layer_objects(layout, i)
+        if isinstance(objects[0], CacheObject):
+            layer = [tokens[obj.name][i] for obj in objects]
+            shapes = [(n, obj.width(layout.layers[i])) for obj in objects]
+            if any(x.shape != shape for x, shape in zip(layer, shapes)):
+                raise ConfigError(f"layer {i}: expected {', '.join(o.name for o in objects)} of shapes "
+                                  f"{[list(s) for s in shapes]}, got {[list(x.shape) for x in layer]}")
+            fill_cache_layer(cache, i, objects, [engine_tensor(obj, model, layout, i, x.to(dtype), point=point,
+                                                               positions=positions) for obj, x in zip(objects, layer)])
+            continue
+        for obj in objects:
+            x = states[obj.name][i]
+            shape = (1, *obj.shape(layout.layers[i]))
+            if tuple(x.shape) != shape:
+                raise ConfigError(f"layer {i}: {obj.name} must have shape {list(shape)}, got {list(x.shape)}")
+            obj.write(cache, i, x.to(dtype))
+    return cache
+
+
+def _pairs(pairs) -> str:
+    """'keys@3, conv_window@0' for (name, layer) pairs."""
+    return ", ".join(f"{name}@{layer}" for name, layer in pairs)

@@ -2,9 +2,10 @@
 
 The GQA families (Llama/SmolLM2, Qwen3, Gemma-3, Mistral) store one object per layer, an attention key/value
 pair (`AttentionKV`). MLA families (DeepSeek-V2/V3) store a joint latent and a shared rotary key (`MLALatent`);
-DeepSeek-V3.2 adds its sparse-attention indexer's keys (`IndexerKeys`). Recurrent states become further kinds
-in `LayerLayout.objects`, so code that walks a layout asks for the kind it understands instead of assuming K/V
-everywhere. Each kind's adapter (capture, width, engine-cache writing, object names) is in
+DeepSeek-V3.2 adds its sparse-attention indexer's keys (`IndexerKeys`). Hybrid models (Qwen3.5 / Qwen3-Next:
+Gated DeltaNet + attention) mix kinds across layers: their linear-attention layers hold a recurrent state
+(`RecurrentState`) and a conv window (`ConvWindow`) instead of per-token objects, their attention layers K/V.
+Code that walks a layout asks for the kind it understands instead of assuming K/V everywhere. Each kind's adapter (capture, width, engine-cache writing, object names) is in
 `translators.objects`.
 """
 
@@ -20,6 +21,7 @@ from translators.errors import UnsupportedModelError
 
 SLIDING = "sliding"
 GLOBAL = "global"
+LINEAR = "linear"  # the attention type of linear-attention (recurrent) layers; maps pair them only with each other
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,43 @@ class IndexerKeys:
     kind: str = "indexer_keys"
 
 
-CacheObjectKind = AttentionKV | MLALatent | IndexerKeys
+@dataclass(frozen=True)
+class RecurrentState:
+    """The recurrent state of one linear-attention layer (Gated DeltaNet): one key_dim x value_dim matrix per
+    value head, [batch, n_heads, key_dim, value_dim], the engine's state after the whole prompt. It has no token
+    axis: it is captured from the engine cache (the final state) and written back as a whole."""
+
+    n_heads: int  # linear_num_value_heads
+    key_dim: int  # linear_key_head_dim
+    value_dim: int  # linear_value_head_dim
+    attention: str = LINEAR
+    window: int | None = None
+    kind: str = "recurrent_state"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[n_heads, key_dim, value_dim], the state without its batch axis."""
+        return self.n_heads, self.key_dim, self.value_dim
+
+
+@dataclass(frozen=True)
+class ConvWindow:
+    """The short causal convolution's window of one linear-attention layer: the last `kernel` inputs of the conv
+    (the projected [query | key | value] channels before the conv), [batch, channels, kernel], oldest first."""
+
+    channels: int  # 2 * n_key_heads * key_dim + n_value_heads * value_dim
+    kernel: int  # linear_conv_kernel_dim
+    attention: str = LINEAR
+    window: int | None = None
+    kind: str = "conv_window"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[channels, kernel], the window without its batch axis."""
+        return self.channels, self.kernel
+
+
+CacheObjectKind = AttentionKV | MLALatent | IndexerKeys | RecurrentState | ConvWindow
 
 
 @dataclass(frozen=True)
@@ -80,7 +118,7 @@ class LayerLayout:
     objects: tuple[CacheObjectKind, ...]
 
     def object_of(self, kind: type):
-        """The layer's object of class `kind` (AttentionKV, MLALatent, IndexerKeys).
+        """The layer's object of class `kind` (AttentionKV, MLALatent, IndexerKeys, RecurrentState, ConvWindow).
 
         Raises:
             UnsupportedModelError: the layer holds no such object.
@@ -102,7 +140,7 @@ class LayerLayout:
 
     @property
     def attention(self) -> str:
-        """GLOBAL or SLIDING: the attention type of the layer's first (attention) object."""
+        """GLOBAL, SLIDING or LINEAR: the attention type of the layer's first object."""
         return self.objects[0].attention
 
 
@@ -118,7 +156,7 @@ class CacheLayout:
 
     @property
     def attention_types(self) -> list[str]:
-        """Per layer GLOBAL/SLIDING; translators map only between layers of the same type."""
+        """Per layer GLOBAL/SLIDING/LINEAR; translators map only between layers of the same type."""
         return [layer.attention for layer in self.layers]
 
     @property
@@ -186,6 +224,13 @@ def missing_parts(model: nn.Module) -> list[str]:
     if not hasattr(decoder, "rotary_emb"):
         missing.append("a rotary embedding module (decoder.rotary_emb): only RoPE models are supported")
     for i, layer in enumerate(decoder.layers):
+        linear = getattr(layer, "linear_attn", None)
+        if linear is not None:
+            if not _is_gated_deltanet(linear):
+                missing.append(f"layer {i}: {type(linear).__name__} is not a Gated DeltaNet layer (only GDN linear "
+                               "attention is supported)")
+                break
+            continue
         attn = getattr(layer, "self_attn", None)
         if attn is None:
             missing.append(f"layer {i}: a `self_attn` attention module")
@@ -216,10 +261,33 @@ def cache_layout(model: nn.Module) -> CacheLayout:
     layers = []
     for i, layer in enumerate(decoder.layers):
         rope = tuple(sorted((k, v) for k, v in _rope_parameters(config, types[i]).items() if _jsonable(v)))
-        objects = _mla_objects(layer.self_attn, config, rope) if _is_mla(layer.self_attn) else (
-            _attention_kv(layer.self_attn, config, types[i], rope),)
+        if getattr(layer, "linear_attn", None) is not None:
+            objects = _linear_objects(layer.linear_attn)
+        elif _is_mla(layer.self_attn):
+            objects = _mla_objects(layer.self_attn, config, rope)
+        else:
+            objects = (_attention_kv(layer.self_attn, config, types[i], rope),)
         layers.append(LayerLayout(index=i, layer_type=types[i], objects=objects))
     return CacheLayout(family=config.model_type, layers=tuple(layers), max_positions=config.max_position_embeddings)
+
+
+_GDN_PARTS = ("num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "conv_dim", "conv_kernel_size")
+
+
+def _is_gated_deltanet(linear: nn.Module) -> bool:
+    """A Gated DeltaNet mixer (Qwen3.5 / Qwen3-Next `linear_attn`): the attributes its cache geometry comes from."""
+    return all(hasattr(linear, part) for part in _GDN_PARTS)
+
+
+def _linear_objects(linear: nn.Module) -> tuple[RecurrentState, ConvWindow]:
+    """Recurrent state [Hv, dk, dv] and conv window [2 Hk dk + Hv dv, K] of a Gated DeltaNet layer."""
+    return (RecurrentState(n_heads=linear.num_v_heads, key_dim=linear.head_k_dim, value_dim=linear.head_v_dim),
+            ConvWindow(channels=linear.conv_dim, kernel=linear.conv_kernel_size))
+
+
+def is_hybrid(layout: CacheLayout) -> bool:
+    """Some layers hold a recurrent state (linear attention) beside layers that hold per-token objects."""
+    return any(layer.attention == LINEAR for layer in layout.layers)
 
 
 def _is_mla(attn: nn.Module) -> bool:

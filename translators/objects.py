@@ -11,21 +11,25 @@ layout holds instead of assuming keys and values. Each object's adapter owns
 - writing into the engine cache: the tensor the engine stores for it (`engine`).
 
 GQA layouts hold `KEYS` and `VALUES` of their attention K/V; MLA layouts hold `LATENT` and `ROPE_KEY`, and
-sparse-attention (DSA) layouts add `INDEXER_KEYS`. Recurrent states (state + conv window) become further
-adapters here, returned by `cache_objects` for the layouts that hold them.
+sparse-attention (DSA) layouts add `INDEXER_KEYS`. These are per-token objects (`CacheObject`).
+
+Linear-attention layers of hybrid models (Gated DeltaNet) hold whole-prompt objects instead (`StateObject`):
+`CONV_WINDOW` [1, C, K] and `RECURRENT_STATE` [1, Hv, dk, dv]. A hybrid layout mixes kinds across layers, so
+its objects are per layer (`layer_objects`); `cache_objects` stays the uniform-layout entry point.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from translators import mla
 from translators.errors import ConfigError, UnsupportedModelError
-from translators.layout import CacheLayout, IndexerKeys, LayerLayout, MLALatent
+from translators.layout import CacheLayout, ConvWindow, IndexerKeys, LayerLayout, MLALatent, RecurrentState
 from translators.points import CAPTURE_POINTS, check_point, keys_to_point
 
 ATTENTION_KV = "attention_kv"  # `AttentionKV.kind`: the layout object the GQA pair lives in
@@ -189,38 +193,126 @@ INDEXER_KEYS = CacheObject("indexer_keys", _indexer_width, _indexer_wk, _advance
                            slot="indexer", differentiable=False)
 DSA = (*MLA, INDEXER_KEYS)
 
+# --- The linear-attention adapters (conv window + recurrent state) ------------------------------------
+
+
+@dataclass(frozen=True)
+class StateObject:
+    """One kind of whole-prompt cache tensor of a linear-attention layer (no token axis).
+
+    Fields (plain functions, so a new kind is a new instance, not a subclass):
+        name: unique object name ("recurrent_state", "conv_window"); artifact tensor names, JSON keys.
+        shape: layer layout → the tensor's shape without the batch axis.
+        read: (transformers cache, layer) → the engine's tensor [batch, *shape] (None before any prefill).
+        write: (transformers cache, layer, x [batch, *shape]) → None; out of place with respect to x, and
+            such that a forward decoding on top of the cache keeps x's autograd graph intact.
+        differentiable: gradients flow from the model's output into the object.
+    """
+
+    name: str
+    shape: Callable[[LayerLayout], tuple[int, ...]]
+    read: Callable[..., torch.Tensor | None]
+    write: Callable[..., None]
+    differentiable: bool = True
+
+
+def _conv_shape(layer: LayerLayout) -> tuple[int, ...]:
+    return layer.object_of(ConvWindow).shape
+
+
+def _state_shape(layer: LayerLayout) -> tuple[int, ...]:
+    return layer.object_of(RecurrentState).shape
+
+
+def _read_conv(cache, layer: int) -> torch.Tensor | None:
+    return cache.get_conv_state(layer)
+
+
+def _read_state(cache, layer: int) -> torch.Tensor | None:
+    return cache.get_recurrent_state(layer)
+
+
+def _write_conv(cache, layer: int, x: torch.Tensor) -> None:
+    """The engine's own `update_conv_state`: it copies x into a fresh [B, C, K] buffer (x itself is never written
+    to) and marks the layer as holding a previous state. Decoding updates that buffer in place, which autograd
+    allows: the conv reads it through a concatenation that saves nothing for backward."""
+    cache.update_conv_state(x, layer, conv_kernel_size=x.shape[-1])
+
+
+def _assign_recurrent_state(cache_layer, recurrent_states: torch.Tensor, state_idx: int = 0, **_kwargs) -> torch.Tensor:
+    """Out-of-place `update_recurrent_state` for one cache layer: store the new state instead of copying it into
+    the buffer the same forward read (transformers' in-place copy breaks backward through an injected state)."""
+    cache_layer.recurrent_states[state_idx] = recurrent_states
+    cache_layer.is_recurrent_states_initialized[state_idx] = True
+    return recurrent_states
+
+
+def _write_state(cache, layer: int, x: torch.Tensor) -> None:
+    """Store x as the layer's recurrent state and make every later update of this layer out of place.
+
+    Raises:
+        ConfigError: the layer's conv window was not written first (the engine reads a state only once its layer
+            holds a previous conv window).
+    """
+    cache_layer = cache.layers[layer]
+    if not cache_layer.has_previous_state[0]:
+        raise ConfigError(f"layer {layer}: write the conv window before the recurrent state")
+    cache_layer.update_recurrent_state = partial(_assign_recurrent_state, cache_layer)
+    cache_layer.update_recurrent_state(x)
+
+
+CONV_WINDOW = StateObject("conv_window", _conv_shape, _read_conv, _write_conv)
+RECURRENT_STATE = StateObject("recurrent_state", _state_shape, _read_state, _write_state)
+LINEAR_STATE = (CONV_WINDOW, RECURRENT_STATE)  # written in this order (the engine's own order in a prefill)
+
 # The adapters of each combination of layout object kinds a layer can hold.
 _ADAPTERS = {
     (ATTENTION_KV,): GQA,
     ("mla_latent",): MLA,
     ("mla_latent", "indexer_keys"): DSA,
+    ("recurrent_state", "conv_window"): LINEAR_STATE,
 }
 
-# Every object name some adapter defines (statistics files name their object; unknown names are refused).
-OBJECT_NAMES = tuple(dict.fromkeys(obj.name for objects in _ADAPTERS.values() for obj in objects))
+# Every per-token object name some adapter defines (statistics files name their object; unknown names are
+# refused). States have no token axis, so no token-wise statistics.
+OBJECT_NAMES = tuple(dict.fromkeys(obj.name for objects in _ADAPTERS.values() for obj in objects
+                                   if isinstance(obj, CacheObject)))
 
 
 # --- Layout → objects -----------------------------------------------------------------------------
+
+
+def layer_objects(layout: CacheLayout, layer: int) -> tuple[CacheObject | StateObject, ...]:
+    """The adapters of the objects one layer holds, in the order the engine cache stores (or is written) them.
+
+    Raises:
+        UnsupportedModelError: the layer holds an object kind without an adapter.
+    """
+    kind = tuple(obj.kind for obj in layout.layers[layer].objects)
+    if kind not in _ADAPTERS:
+        raise UnsupportedModelError(f"{layout.family}: no adapter for the cache objects {list(kind)} of layer {layer}")
+    return _ADAPTERS[kind]
 
 
 def cache_objects(layout: CacheLayout) -> tuple[CacheObject, ...]:
     """The objects every layer of `layout` holds, in the order the engine cache stores them.
 
     Raises:
-        UnsupportedModelError: a layer holds an object kind without an adapter, or layers hold different kinds.
+        UnsupportedModelError: a layer holds an object kind without an adapter, or layers hold different kinds
+            (a hybrid: see `layer_objects`, `translators.capture.capture_hybrid`, `translators.inject.write_hybrid_cache`).
     """
     kinds = {tuple(obj.kind for obj in layer.objects) for layer in layout.layers}
     if len(kinds) != 1:
-        raise UnsupportedModelError(f"{layout.family}: layers hold different cache objects {sorted(kinds)}")
-    kind = kinds.pop()
-    if kind not in _ADAPTERS:
-        raise UnsupportedModelError(f"{layout.family}: no adapter for the cache objects {list(kind)}")
-    return _ADAPTERS[kind]
+        raise UnsupportedModelError(
+            f"{layout.family}: layers hold different cache objects {sorted(kinds)} (a hybrid model); this path "
+            "supports models whose layers all hold the same objects")
+    return layer_objects(layout, 0)
 
 
 def object_names(layout: CacheLayout) -> tuple[str, ...]:
-    """Names of `cache_objects(layout)`, e.g. ("keys", "values")."""
-    return tuple(obj.name for obj in cache_objects(layout))
+    """Names of the objects `layout` holds, in first-seen layer order, e.g. ("keys", "values"); a hybrid's
+    attention objects and its linear layers' states together."""
+    return tuple(dict.fromkeys(obj.name for i in range(layout.n_layers) for obj in layer_objects(layout, i)))
 
 
 def object_width(obj: CacheObject, layout: CacheLayout) -> int:

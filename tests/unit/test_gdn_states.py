@@ -1,0 +1,173 @@
+"""State strategies for hybrid targets: zero, copy, copy + closed-form bilinear correction (paper 004 §3.5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_configs import tiny_gdn_model
+from translators.capture import capture_hybrid
+from translators.continuation import cache_logits, kl_per_position, teacher_logits
+from translators.errors import ConfigError
+from translators.inject import write_hybrid_cache
+from translators.layout import cache_layout
+from translators.states import (
+    CONV,
+    COPY,
+    CORRECTED,
+    STATE,
+    ZERO,
+    StateMaps,
+    assign_linear_layers,
+    fit_bilinear,
+    fit_conv_affine,
+    fit_corrections,
+    relative_error,
+)
+
+L, F = "linear_attention", "full_attention"
+
+
+def _layout(layer_types, **overrides):
+    return cache_layout(tiny_gdn_model(num_hidden_layers=len(layer_types), layer_types=list(layer_types), **overrides))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_gdn_model()
+
+
+@pytest.fixture(scope="module")
+def layout(model):
+    return cache_layout(model)
+
+
+def _ids(n, seed):
+    return torch.randint(0, 95, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_linear_layers_are_assigned_by_relative_depth_among_linear_layers():
+    small, large = _layout((L, L, L, F)), _layout((L, L, F, L, L, F))
+    assert assign_linear_layers(small, large) == {0: 0, 1: 1, 3: 1, 4: 2}
+    assert assign_linear_layers(large, small) == {0: 0, 1: 3, 2: 4}
+
+
+def test_copy_needs_a_source_state_and_the_same_geometry(layout):
+    attention_only = _layout((F, F))
+    with pytest.raises(ConfigError, match="no linear-attention layer, so there is no state to copy"):
+        StateMaps(attention_only, layout, {0: COPY, 1: ZERO})
+    StateMaps(attention_only, layout, {0: ZERO, 1: ZERO})  # zero needs no source state
+    wider = _layout((L, L, F), linear_value_head_dim=16)
+    with pytest.raises(ConfigError, match=r"target layer 0 holds a recurrent_state of shape \[2, 8, 12\] but its "
+                                          r"source layer 0 holds \[2, 8, 16\]"):
+        StateMaps(wider, layout, {0: COPY, 1: COPY})
+    with pytest.raises(ConfigError, match="unknown state strategy 'replay'"):
+        StateMaps(layout, layout, {0: "replay", 1: COPY})
+    with pytest.raises(ConfigError, match=r"for each target linear layer \[0, 1\]"):
+        StateMaps(layout, layout, {0: COPY})
+
+
+def test_fit_bilinear_recovers_a_planted_per_head_map():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 2, 8, 12, generator=g, dtype=torch.float64)
+    left = torch.eye(8) + 0.3 * torch.randn(2, 8, 8, generator=g, dtype=torch.float64)
+    right = torch.eye(12) + 0.3 * torch.randn(2, 12, 12, generator=g, dtype=torch.float64)
+    y = left @ x @ right
+    errors = []
+    for passes in (1, 2, 8):
+        fl, fr = fit_bilinear(x, y, ridge=1e-10, passes=passes)
+        errors.append(relative_error(fl @ x @ fr, y))
+    assert errors[0] >= errors[1] >= errors[2]  # alternating least squares never gets worse
+    assert errors[2] < 1e-6 < relative_error(x, y)
+    # A left-only map (R = I) is exact after one pass.
+    fl, fr = fit_bilinear(x, left @ x, ridge=1e-10, passes=1)
+    assert relative_error(fl @ x @ fr, left @ x) < 1e-10
+
+
+def test_strong_ridge_shrinks_the_correction_to_plain_copy():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(50, 2, 4, 5, generator=g), torch.randn(50, 2, 4, 5, generator=g)
+    fl, fr = fit_bilinear(x, y, ridge=1e9)
+    assert torch.allclose(fl, torch.eye(4, dtype=fl.dtype).expand(2, 4, 4), atol=1e-6)
+    assert torch.allclose(fr, torch.eye(5, dtype=fr.dtype).expand(2, 5, 5), atol=1e-6)
+    w, b = fit_conv_affine(x.flatten(1).unsqueeze(-1).repeat(1, 1, 3), y.flatten(1).unsqueeze(-1).repeat(1, 1, 3),
+                           ridge=1e9)  # [50, 40, 3] windows
+    assert torch.allclose(w, torch.eye(40, dtype=w.dtype), atol=1e-6)
+
+
+def test_fit_conv_affine_recovers_a_planted_map():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 10, 4, generator=g, dtype=torch.float64)
+    w0, b0 = torch.randn(10, 10, generator=g, dtype=torch.float64), torch.randn(10, generator=g, dtype=torch.float64)
+    w, b = fit_conv_affine(x, torch.einsum("cd,ndk->nck", w0, x) + b0.view(1, -1, 1), ridge=1e-12)
+    assert torch.allclose(w, w0, atol=1e-6) and torch.allclose(b, b0, atol=1e-6)
+
+
+def test_strategies_produce_zero_copied_and_corrected_states(model, layout):
+    with torch.no_grad():
+        states = capture_hybrid(model, layout, _ids(12, 0)).states
+    maps = StateMaps(layout, layout, {0: ZERO, 1: CORRECTED})
+    left, right = 2 * torch.eye(8).repeat(2, 1, 1), torch.eye(12).repeat(2, 1, 1)
+    maps.set_correction(1, left, right, 3 * torch.eye(40), torch.ones(40))
+    out = maps(states)
+    assert torch.equal(out[STATE][0], torch.zeros(1, 2, 8, 12)) and torch.equal(out[CONV][0], torch.zeros(1, 40, 4))
+    assert torch.allclose(out[STATE][1], 2 * states[STATE][1])
+    assert torch.allclose(out[CONV][1], 3 * states[CONV][1] + 1)
+    copied = StateMaps(layout, layout, {0: COPY, 1: COPY})(states)
+    assert copied[STATE][1] is states[STATE][1] and copied[CONV][0] is states[CONV][0]
+    with pytest.raises(ConfigError, match="uses 'zero', not 'copy_corrected'"):
+        maps.set_correction(0, left, right, torch.eye(40), torch.zeros(40))
+
+
+def _logits(model, layout, maps, prefix, continuation):
+    cap = capture_hybrid(model, layout, prefix[:-1])
+    cache = write_hybrid_cache(model, layout, cap.tokens, maps(cap.states), point="pre_norm")
+    return cache_logits(model, cache, prefix, continuation)
+
+
+def test_self_copy_is_exact_and_self_correction_fits_the_identity(model, layout):
+    prompts = [_ids(10 + i, 10 + i) for i in range(12)]
+    with torch.no_grad():
+        caps = [capture_hybrid(model, layout, p).states for p in prompts]
+    maps = StateMaps(layout, layout, {0: CORRECTED, 1: COPY})
+    fits = fit_corrections(maps, caps, caps, ridge=1e-6, n_heldout=3)
+    assert [f.layer for f in fits] == [0] and fits[0].state_copy == 0.0 and fits[0].state_corrected < 1e-8
+    assert fits[0].conv_corrected < 1e-8
+    prefix, continuation = _ids(15, 99), _ids(4, 98)
+    with torch.no_grad():
+        kl = kl_per_position(teacher_logits(model, prefix, continuation),
+                             _logits(model, layout, maps, prefix, continuation))
+    assert kl.max() < 1e-6
+
+
+def test_copy_beats_zero_between_two_close_models():
+    """A perturbed copy of a model: its states, copied, carry the prompt far better than zero states."""
+    target = tiny_gdn_model(seed=0)
+    source = tiny_gdn_model(seed=0)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    src_layout, tgt_layout = cache_layout(source), cache_layout(target)
+    prefix, continuation = _ids(20, 5), _ids(6, 6)
+    kls = {}
+    with torch.no_grad():
+        teacher = teacher_logits(target, prefix, continuation)
+        for strategy in (ZERO, COPY):
+            maps = StateMaps(src_layout, tgt_layout, {0: strategy, 1: strategy})
+            src = capture_hybrid(source, src_layout, prefix[:-1])
+            tgt = capture_hybrid(target, tgt_layout, prefix[:-1])  # the target's own attention K/V
+            cache = write_hybrid_cache(target, tgt_layout, tgt.tokens, maps(src.states), point="pre_norm")
+            kls[strategy] = kl_per_position(teacher, cache_logits(target, cache, prefix, continuation)).mean().item()
+    assert kls[COPY] < 0.2 * kls[ZERO]
+
+
+def test_gradients_reach_the_correction_through_the_frozen_target(model, layout):
+    maps = StateMaps(layout, layout, {0: CORRECTED, 1: CORRECTED})
+    prefix, continuation = _ids(14, 7), _ids(3, 8)
+    with torch.no_grad():
+        teacher = teacher_logits(model, prefix, continuation)
+    with torch.no_grad():
+        maps.maps["left_0"].mul_(1.5)
+    kl_per_position(teacher, _logits(model, layout, maps, prefix, continuation)).mean().backward()
+    for name, param in maps.maps.items():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name

@@ -1,0 +1,197 @@
+"""Closed-form translation into a hybrid target (Gated DeltaNet + attention): token-wise K/V maps for its
+attention layers, one state strategy per linear layer (`translators.states`), and its validation KL.
+
+Target attention layers read the source attention layer at the nearest relative depth among attention layers
+(ν = 1, maps between layers of the same kind only); each map is the ridge least-squares solution from fp64
+Gram statistics of paired captures (source and target reading the same conversation), fp32 afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from translators.capture import HybridCapture, capture_hybrid
+from translators.continuation import cache_logits, kl_per_position, no_prefix_logits, teacher_logits
+from translators.errors import ConfigError
+from translators.inject import write_hybrid_cache
+from translators.layout import LINEAR, CacheLayout
+from translators.solve import ridge_solve
+from translators.stage1 import ValidationKL
+from translators.states import StateMaps, fit_corrections
+
+TOKEN_OBJECTS = ("keys", "values")
+
+
+def attention_layers(layout: CacheLayout) -> list[int]:
+    """Indices of the layout's attention layers (those holding per-token K/V)."""
+    return [layer.index for layer in layout.layers if layer.attention != LINEAR]
+
+
+def assign_attention_layers(source: CacheLayout, target: CacheLayout) -> dict[int, int]:
+    """For each target attention layer, the source attention layer at the nearest relative depth among attention
+    layers (first to first, last to last).
+
+    Raises:
+        ConfigError: the source or the target has no attention layer, or attention types differ (sliding/global).
+    """
+    src, tgt = attention_layers(source), attention_layers(target)
+    if not src or not tgt:
+        raise ConfigError(f"both models need an attention layer to map K/V; source has {len(src)}, target {len(tgt)}")
+    picked = {t: src[round(r * (len(src) - 1) / (len(tgt) - 1))] if len(tgt) > 1 else src[-1]
+              for r, t in enumerate(tgt)}
+    for t, s in picked.items():
+        if source.layers[s].attention != target.layers[t].attention:
+            raise ConfigError(f"target layer {t} ({target.layers[t].attention}) would read source layer {s} "
+                              f"({source.layers[s].attention}); map only between attention layers of one type")
+    return picked
+
+
+class HybridTranslator(nn.Module):
+    """Translates a source `HybridCapture` into a hybrid target's cache objects.
+
+    ``kv``: fp32 maps ``<object>_<target layer>`` [d_tgt, d_src] for keys and values of every target attention
+    layer (identity-free: fitted or zero); ``states``: the `StateMaps` of the target's linear layers.
+    """
+
+    def __init__(self, source: CacheLayout, target: CacheLayout, states: StateMaps, point: str = "pre_norm"):
+        """Raises ConfigError: see `assign_attention_layers`."""
+        super().__init__()
+        self.point = point
+        self.attention_assignment = assign_attention_layers(source, target)
+        self.states = states
+        self.kv = nn.ParameterDict({
+            f"{name}_{t}": nn.Parameter(torch.zeros(target.layers[t].kv.width, source.layers[s].kv.width))
+            for t, s in self.attention_assignment.items() for name in TOKEN_OBJECTS})
+
+    def forward(self, capture: HybridCapture) -> tuple[dict[str, dict[int, torch.Tensor]], dict[str, dict[int, torch.Tensor]]]:
+        """(tokens, states) for `write_hybrid_cache`: target K/V [n_tokens, d_tgt] per attention layer at
+        `point`, conv windows and recurrent states per linear layer.
+
+        Raises:
+            ConfigError: the capture was taken at another capture point.
+        """
+        if capture.point != self.point:
+            raise ConfigError(f"the translator reads captures at {self.point!r}, got one at {capture.point!r}")
+        tokens = {name: {t: capture.tokens[name][s] @ self.kv[f"{name}_{t}"].T.to(capture.tokens[name][s].dtype)
+                         for t, s in self.attention_assignment.items()} for name in TOKEN_OBJECTS}
+        return tokens, self.states(capture.states)
+
+
+@dataclass(frozen=True)
+class KVFit:
+    """Held-out R² of one target attention layer's K and V maps (1 − residual / variance)."""
+
+    layer: int
+    source_layer: int
+    r2_keys: float
+    r2_values: float
+
+
+def _r2(predicted: torch.Tensor, target: torch.Tensor) -> float:
+    centred = target.double() - target.double().mean(0)
+    return 1.0 - float((predicted.double() - target.double()).square().sum() / centred.square().sum().clamp_min(1e-30))
+
+
+def fit_kv_maps(translator: HybridTranslator, source: Sequence[HybridCapture], target: Sequence[HybridCapture], *,
+                ridge: float = 1e-4, n_heldout: int = 0) -> list[KVFit]:
+    """Fit every attention map of ``translator`` in closed form (ridge, fp64 Gram statistics), in place.
+
+    Args:
+        source, target: paired captures of the same conversations (same token ids) at the translator's point.
+        n_heldout: the last n pairs score the fit (R²) instead of entering it; 0 scores on the fitted pairs.
+    Returns:
+        one KVFit per target attention layer.
+    Raises:
+        ConfigError: unequal or unpaired captures, none left to fit.
+    """
+    if len(source) != len(target):
+        raise ConfigError(f"{len(source)} source captures but {len(target)} target captures")
+    n_fit = len(source) - n_heldout
+    if n_fit < 1:
+        raise ConfigError(f"{len(source)} paired captures leave none to fit after holding out {n_heldout}")
+    for i, (s, t) in enumerate(zip(source, target)):
+        if not torch.equal(s.token_ids, t.token_ids):
+            raise ConfigError(f"capture pair {i} read different tokens: pair captures of the same conversation")
+    fits = []
+    for t, s in translator.attention_assignment.items():
+        r2 = {}
+        for name in TOKEN_OBJECTS:
+            x = [c.tokens[name][s].double() for c in source]
+            y = [c.tokens[name][t].double() for c in target]
+            gram = sum(a.T @ a for a in x[:n_fit])
+            cross = sum(a.T @ b for a, b in zip(x[:n_fit], y[:n_fit]))
+            weights = ridge_solve(gram, cross, ridge)  # [d_src, d_tgt]
+            with torch.no_grad():
+                translator.kv[f"{name}_{t}"].copy_(weights.T.float())
+            scored = slice(n_fit, None) if n_heldout else slice(None)
+            r2[name] = _r2(torch.cat(x[scored]) @ weights, torch.cat(y[scored]))
+        fits.append(KVFit(layer=t, source_layer=s, r2_keys=r2["keys"], r2_values=r2["values"]))
+    return fits
+
+
+def fit_states(translator: HybridTranslator, source: Sequence[HybridCapture], target: Sequence[HybridCapture], *,
+               ridge: float = 1e-3, passes: int = 2, n_heldout: int = 0):
+    """Fit the state corrections (`states.fit_corrections`) of ``translator`` from paired captures, in place."""
+    return fit_corrections(translator.states, [c.states for c in source], [c.states for c in target], ridge=ridge,
+                           passes=passes, n_heldout=n_heldout)
+
+
+def paired_captures(source_model: nn.Module, source: CacheLayout, target_model: nn.Module, target: CacheLayout,
+                    prompts: Sequence[torch.Tensor], point: str = "pre_norm") -> tuple[list[HybridCapture], list[HybridCapture]]:
+    """Captures of both models on each prompt ([n] ids, one conversation each), without gradients."""
+    with torch.no_grad():
+        return ([capture_hybrid(source_model, source, p, point) for p in prompts],
+                [capture_hybrid(target_model, target, p, point) for p in prompts])
+
+
+def hybrid_validation_kl(source_model: nn.Module, source: CacheLayout, target_model: nn.Module, target: CacheLayout,
+                         samples: Sequence[tuple[torch.Tensor, torch.Tensor]], translator: HybridTranslator | None, *,
+                         condition: str = "translated") -> ValidationKL:
+    """KL(target native ‖ condition) over the continuation of each (prefix [n], continuation [m]) sample.
+
+    condition: "translated" (the source's capture of x_{1:n-1} through ``translator``) or "empty_prefix" (the
+    target with no cache).
+
+    Raises:
+        ConfigError: no samples or an unknown condition.
+    """
+    if not samples:
+        raise ConfigError("empty validation set")
+    if condition not in ("translated", "empty_prefix"):
+        raise ConfigError(f"unknown condition {condition!r}")
+    means, firsts = [], []
+    with torch.no_grad():
+        for prefix, continuation in samples:
+            teacher = teacher_logits(target_model, prefix, continuation)
+            if condition == "empty_prefix":
+                student = no_prefix_logits(target_model, prefix, continuation)
+            else:
+                cap = capture_hybrid(source_model, source, prefix[:-1], translator.point)
+                tokens, states = translator(cap)
+                cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
+                student = cache_logits(target_model, cache, prefix, continuation)
+            kl = kl_per_position(teacher, student)
+            means.append(kl.mean().item())
+            firsts.append(kl[0].item())
+    return ValidationKL.of(means, firsts)
+
+
+def strategies_for(target: CacheLayout, strategy: str) -> dict[int, str]:
+    """The same state strategy for every linear layer of ``target``."""
+    return {layer.index: strategy for layer in target.layers if layer.attention == LINEAR}
+
+
+def translated_logits(source_model: nn.Module, source: CacheLayout, target_model: nn.Module, target: CacheLayout,
+                      translator: HybridTranslator, prefix: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
+    """[m, vocab] target predictions for the continuation from the translated cache of prefix[:-1];
+    differentiable in the translator's parameters (stage 2 trains through K/V maps and state corrections)."""
+    with torch.no_grad():
+        cap = capture_hybrid(source_model, source, prefix[:-1], translator.point)
+    tokens, states = translator(cap)
+    cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
+    return cache_logits(target_model, cache, prefix, continuation)
+
