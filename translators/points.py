@@ -50,9 +50,14 @@ def apply_k_norm(model: nn.Module, layout: CacheLayout, layer: int, keys: torch.
 
 
 def apply_rope(
-    model: nn.Module, layout: CacheLayout, layer: int, keys: torch.Tensor, positions: torch.Tensor
+    model: nn.Module, layout: CacheLayout, layer: int, keys: torch.Tensor, positions: torch.Tensor,
+    *, inverse: bool = False,
 ) -> torch.Tensor:
     """post_norm → post_rope for one layer: the model's RoPE (for this layer's type) at `positions`.
+
+    With `inverse`, post_rope → post_norm instead: RoPE rotates each feature pair by an angle (times the
+    rope type's attention scaling s), so its inverse is the opposite rotation divided by s, exact up to
+    rounding. A serving engine stores keys after RoPE at known positions; this recovers the post_norm point.
 
     Args:
         keys: [n_tokens, n_kv_heads * head_dim].
@@ -70,6 +75,9 @@ def apply_rope(
         cos, sin = decoder.rotary_emb(heads, position_ids, layout.layers[layer].layer_type)
     else:
         cos, sin = decoder.rotary_emb(heads, position_ids)
+    if inverse:  # (c, s) scaled by s_a: the inverse rotation is (c, -s) / (c² + s²)
+        norm = cos * cos + sin * sin
+        cos, sin = cos / norm, -sin / norm
     # The modeling module's own apply_rotary_pos_emb, so family quirks (partial rotary, layouts) carry over.
     apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
     _, rotated = apply_rotary(heads, heads, cos, sin)

@@ -70,3 +70,12 @@ def test_the_layering_check_sees_a_lazy_upward_import(tmp_path):
     (tmp_path / "evals" / "m.py").write_text("import ray.train\nfrom registry.tracking import x\n")
     assert layering_violations(tmp_path) == [
         "evals/m.py imports ray.train", "evals/m.py imports registry.tracking", "tasks/fit.py imports flows.cli"]
+
+
+def test_the_serving_connector_imports_no_services():
+    """The vLLM connector runs inside the engine's processes and the serving venv, which has no prefect, ray or
+    mlflow: registry references are resolved to artifact paths before the engine starts."""
+    for name, uses in (("vllm_connector.py", "infra.serving"), ("serving.py", "translators.artifact")):
+        modules = imported_modules(ROOT / "infra" / name)
+        assert uses in modules  # the imports were read
+        assert not {m for m in modules if m.split(".")[0] in SERVICES}, name

@@ -7,7 +7,7 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_test_module_names_are_unique_across_tiers():
-    unit = {p.name for p in (TESTS / "unit").glob("test_*.py")}
-    integration = {p.name for p in (TESTS / "integration").glob("test_*.py")}
-    assert unit and integration
-    assert not unit & integration, f"rename one of each: {sorted(unit & integration)}"
+    tiers = {tier: {p.name for p in (TESTS / tier).glob("test_*.py")} for tier in ("unit", "integration", "serving")}
+    assert all(tiers.values())
+    for a, b in (("unit", "integration"), ("unit", "serving"), ("integration", "serving")):
+        assert not tiers[a] & tiers[b], f"rename one of each: {sorted(tiers[a] & tiers[b])}"

@@ -1,0 +1,312 @@
+"""The engine-independent half of serving translators: saved conversations, the served translator, the gate.
+
+`infra.vllm_connector` (which needs vLLM and runs in the serving venv, `bash infra/bootstrap.sh --serve`) moves
+K/V between vLLM's paged cache and these pieces; everything here is plain torch + translators/ so the unit tier
+tests it without vLLM.
+
+A saved conversation is one safetensors file per conversation key: per source layer `keys_<l>` (post_norm: the
+engine's post-RoPE keys rotated back at their known positions) and `values_<l>`, both [n_tokens, n_kv_heads *
+head_dim], plus a JSON header with the token ids and the source model's signature (`infra.zoo.model_signature`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from translators.artifact import check_signature, load_translator
+from translators.errors import ConfigError, KvlingoError, PairMismatchError
+from translators.layout import CacheLayout, cache_layout, decoder_of
+from translators.switch import identity_translator
+from translators.translator import Translator
+
+APPLIED, FALLBACK, UNSUPPORTED = "applied", "fallback_reprefill", "unsupported"
+STATUSES = (APPLIED, FALLBACK, UNSUPPORTED)
+CONVERSATION_FORMAT = "kvlingo.conversation.v1"
+SAVED_POINT = "post_norm"  # what a producer stores: keys after k-norm, before RoPE
+_KEY = re.compile(r"^[0-9a-f]{32}$")
+
+
+class ServingError(KvlingoError):
+    """A serving configuration or a saved conversation that cannot be used (the message says why)."""
+
+
+def new_conversation_key() -> str:
+    """A fresh conversation key: 32 lowercase hex digits (safe as a file name)."""
+    return uuid.uuid4().hex
+
+
+def check_conversation_key(key: Any) -> str:
+    """Raises ServingError for anything but 32 lowercase hex digits (keys name files: no paths)."""
+    if not isinstance(key, str) or not _KEY.match(key):
+        raise ServingError(f"malformed conversation key {key!r}: expected the 32 hex digits a producer returned")
+    return key
+
+
+class ConversationStore:
+    """Saved source conversations in a directory shared by the producer and consumer engines."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+
+    def path(self, key: str) -> Path:
+        return self.directory / f"{check_conversation_key(key)}.safetensors"
+
+    def save(self, key: str, keys: list[torch.Tensor], values: list[torch.Tensor], token_ids: list[int],
+             source: dict[str, Any]) -> Path:
+        """Write one conversation atomically (a reader never sees half a file).
+
+        Args:
+            keys, values: per source layer [n_tokens, n_kv_heads * head_dim]; keys at post_norm.
+            token_ids: the n_tokens token ids they were computed for.
+            source: the source model's signature.
+        Raises:
+            ServingError: lengths that disagree.
+        """
+        n = len(token_ids)
+        if len(keys) != len(values) or any(t.shape[0] != n for t in (*keys, *values)):
+            raise ServingError(f"conversation {key}: {len(keys)} key and {len(values)} value layers, each must hold "
+                               f"{n} tokens")
+        tensors = {f"keys_{i}": k.contiguous() for i, k in enumerate(keys)}
+        tensors |= {f"values_{i}": v.contiguous() for i, v in enumerate(values)}
+        header = {"format": CONVERSATION_FORMAT, "point": SAVED_POINT, "token_ids": list(map(int, token_ids)),
+                  "n_layers": len(keys), "source": source}
+        data = save(tensors, metadata={"kvlingo": json.dumps(header)})
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path
+
+    def header(self, key: str) -> dict[str, Any] | None:
+        """The conversation's header (format, point, token_ids, n_layers, source), None if it is not stored.
+
+        Raises:
+            ServingError: a malformed key, or a file that is not a kvlingo conversation.
+        """
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = json.loads((f.metadata() or {})["kvlingo"])
+        except (KeyError, json.JSONDecodeError, OSError, Exception) as err:
+            raise ServingError(f"{path} is not a kvlingo conversation: {err}") from err
+        if header.get("format") != CONVERSATION_FORMAT:
+            raise ServingError(f"{path}: unknown conversation format {header.get('format')!r}")
+        return header
+
+    def load(self, key: str, layers: list[int], start: int, end: int) -> dict[str, dict[int, torch.Tensor]]:
+        """Rows [start, end) of the given source layers: {"keys": {l: [end-start, width]}, "values": {...}}.
+
+        Raises:
+            ServingError: the conversation is gone or holds fewer tokens or layers.
+        """
+        path = self.path(key)
+        if not path.is_file():
+            raise ServingError(f"conversation {key} is not in {self.directory}")
+        out: dict[str, dict[int, torch.Tensor]] = {"keys": {}, "values": {}}
+        with safe_open(str(path), framework="pt") as f:
+            for name in out:
+                for layer in layers:
+                    t = f.get_slice(f"{name}_{layer}")
+                    if t.get_shape()[0] < end:
+                        raise ServingError(f"conversation {key} holds {t.get_shape()[0]} tokens, not {end}")
+                    out[name][layer] = t[start:end]
+        return out
+
+
+def model_skeleton(directory: str | Path) -> tuple[torch.nn.Module, CacheLayout]:
+    """The parts of a model the cache points need, without its weights: rotary embedding and key norms.
+
+    The model is built on the meta device from `directory`'s config.json; its rotary embedding is rebuilt on
+    the CPU and its per-head key norms (Qwen3, Gemma-3) are read from the safetensors files, so
+    `translators.points` applies the model's own k-norm and RoPE. Other parameters stay on the meta device.
+
+    Raises:
+        ServingError: no config.json, or a key norm whose weight is missing from the safetensors files.
+        UnsupportedModelError: an architecture capture/injection does not support.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise ServingError(f"{directory} holds no config.json: serve a local model directory")
+    config = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    decoder = decoder_of(model)
+    rotary = decoder.rotary_emb
+    decoder.rotary_emb = type(rotary)(config=rotary.config)  # on the CPU: its inv_freq buffer is computed here
+    wanted = {name: module for name, module in model.named_modules() if name.endswith("k_norm")}
+    if wanted:
+        found: dict[str, torch.Tensor] = {}
+        for weights in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(weights), framework="pt") as f:
+                for name in f.keys():  # save_pretrained names: "<module path>.weight"
+                    if name.removesuffix(".weight") in wanted:
+                        found[name.removesuffix(".weight")] = f.get_tensor(name)
+        missing = sorted(set(wanted) - set(found))
+        if missing:
+            raise ServingError(f"{directory}: key-norm weights {missing[:3]} not found in its safetensors files")
+        for name, module in wanted.items():
+            module.weight = torch.nn.Parameter(found[name].to(torch.float32), requires_grad=False)
+    model.eval().requires_grad_(False)
+    return model, cache_layout(model)
+
+
+@dataclass(frozen=True)
+class ServedTranslator:
+    """What a consumer engine serves: the maps plus what the gate checks before loading.
+
+    `ref` is "identity" (the target reads its own model's cache: source and target must be the same model) or
+    the path of a translator artifact (`models:/NAME@ALIAS` is resolved to a path by the CLI, where the
+    registry lives). `envelope` is the longest prefix, in tokens, the translator is served for: the fit's
+    max_prefix_tokens, capped by the engine's `max_prefix_tokens` setting; None: no limit below the model's.
+    """
+
+    ref: str
+    translator: Translator
+    identity: str  # what isolates its results in the prefix cache: "identity" or the weights' sha256
+    source: dict[str, Any] | None  # the source signature the artifact records (identity: the target's own)
+    envelope: int | None
+
+
+def serve_translator(ref: str, target_layout: CacheLayout, target_signature: dict[str, Any],
+                     max_prefix_tokens: int | None = None) -> ServedTranslator:
+    """Resolve a translator reference for a consumer engine serving the model of `target_signature`.
+
+    Raises:
+        ServingError: `models:/` references (resolve them first), a missing artifact, or a bad envelope.
+        PairMismatchError: an artifact fitted for another target model (the field is named).
+        ArtifactError: a tampered or incomplete artifact.
+    """
+    if max_prefix_tokens is not None and (not isinstance(max_prefix_tokens, int) or max_prefix_tokens < 1):
+        raise ServingError(f"max_prefix_tokens must be a positive integer, got {max_prefix_tokens!r}")
+    if ref == "identity":
+        return ServedTranslator(ref, identity_translator(target_layout, SAVED_POINT), "identity", target_signature,
+                                max_prefix_tokens)
+    if ref.startswith("models:/"):
+        raise ServingError(f"{ref}: resolve registry references to an artifact path before starting the engine "
+                           "(`kvlingo serve` does; the connector imports no MLflow)")
+    if not Path(ref).is_dir():
+        raise ServingError(f"translator {ref!r} is neither 'identity' nor an artifact directory")
+    translator, manifest = load_translator(ref, target=target_signature)
+    fitted = (manifest.get("fit") or {}).get("config", {}).get("max_prefix_tokens")
+    limits = [n for n in (fitted, max_prefix_tokens) if isinstance(n, int)]
+    return ServedTranslator(ref, translator, manifest["weights_sha256"], manifest["pair"]["source"],
+                            min(limits) if limits else None)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The gate's verdict for one request: a status, why, and how many prefix tokens to load."""
+
+    status: str
+    reason: str
+    n_load: int = 0
+
+
+def gate(served: ServedTranslator, header: dict[str, Any] | None, prompt: list[int], conversation: str) -> Decision:
+    """Decide, before loading anything, whether a request that names a source conversation is served from it.
+
+    applied: load the first n_load tokens (the common prefix of the saved tokens and the prompt, leaving the
+    prompt's last token for the engine). fallback_reprefill: the engine prefills as if no conversation was
+    named (missing conversation, pair mismatch, prefix over the envelope, nothing in common).
+    unsupported: what this connector cannot serve exactly (the reason says what to change).
+    """
+    if header is None:
+        return Decision(FALLBACK, f"source conversation {conversation} is not in the store")
+    source = header.get("source")
+    if not isinstance(source, dict):
+        return Decision(FALLBACK, f"source conversation {conversation} records no source model signature")
+    try:
+        check_signature(served.source, source, "source")
+    except PairMismatchError as err:
+        return Decision(FALLBACK, str(err))
+    translator = served.translator
+    layers = source.get("layout", {}).get("layers", [])
+    if translator.point == "pre_norm" and any(layer.get("k_norm") for layer in layers):
+        return Decision(UNSUPPORTED, "the translator acts at pre_norm but the source model normalises its keys: the "
+                                     "engine's keys cannot be taken back before the norm; refit it at post_norm")
+    if translator.point == "post_rope":
+        return Decision(UNSUPPORTED, "translators fitted at post_rope are not served (the connector stores keys "
+                                     "at post_norm); refit it at post_norm")
+    if not translator.reads_own_objects or set(translator.objects) != {"keys", "values"}:
+        return Decision(UNSUPPORTED, "only GQA → GQA translators (keys and values) are served")
+    if translator.token_identity is not None:
+        return Decision(UNSUPPORTED, "translators that append token identity are not served yet")
+    saved = header.get("token_ids") or []
+    common = 0
+    for a, b in zip(saved, prompt):
+        if a != b:
+            break
+        common += 1
+    n_load = min(common, len(prompt) - 1)
+    if n_load < 1:
+        return Decision(FALLBACK, f"the prompt shares no prefix with source conversation {conversation}")
+    if served.envelope is not None and n_load > served.envelope:
+        return Decision(FALLBACK, f"the prefix of {n_load} tokens exceeds the translator's envelope of "
+                                  f"{served.envelope} tokens")
+    return Decision(APPLIED, f"{n_load} of {len(prompt)} prompt tokens translated from conversation {conversation}",
+                    n_load)
+
+
+def translate_rows(served: ServedTranslator, rows: dict[str, dict[int, torch.Tensor]], model: torch.nn.Module,
+                   layout: CacheLayout, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Translate saved source rows into the target's engine keys and values.
+
+    Args:
+        rows: {"keys": {source layer: [n, d_src]}, "values": {...}} at post_norm (`ConversationStore.load`).
+        model, layout: the target's skeleton (`model_skeleton`).
+        positions: [n] target positions of the rows.
+    Returns:
+        (keys, values): per target layer [n, n_kv_heads * head_dim] fp32; keys after the target's k-norm (from
+        a pre_norm translator) and RoPE at `positions`, as the engine stores them.
+    """
+    from translators.points import keys_to_point
+
+    with torch.no_grad():
+        out = served.translator.translate_objects(rows)
+        keys = [keys_to_point(model, layout, layer, k, start=served.translator.point, end="post_rope",
+                              positions=positions) for layer, k in enumerate(out["keys"])]
+    return keys, out["values"]
+
+
+def check_served_config(extra: dict[str, Any], consumer: bool) -> dict[str, Any]:
+    """Validate a connector's `kv_connector_extra_config`, reporting every problem at once.
+
+    Keys: store (directory shared by the engines, required), model_signature (the served model's
+    `infra.zoo.model_signature`, required), translator ("identity" or an artifact path; consumers only),
+    max_prefix_tokens (optional cap on the served envelope).
+
+    Raises:
+        ConfigError: missing or malformed settings, all named.
+    """
+    problems = []
+    if not isinstance(extra.get("store"), str) or not extra.get("store"):
+        problems.append("store: the directory where producers save conversations (shared with consumers)")
+    if not isinstance(extra.get("model_signature"), dict):
+        problems.append("model_signature: the served model's signature (infra.zoo.model_signature), a dict")
+    if consumer and not isinstance(extra.get("translator"), str):
+        problems.append("translator: 'identity' or a translator artifact directory")
+    unknown = sorted(set(extra) - {"store", "model_signature", "translator", "max_prefix_tokens"})
+    if unknown:
+        problems.append(f"unknown settings {unknown}")
+    if problems:
+        raise ConfigError("kvlingo connector settings (kv_connector_extra_config): " + "; ".join(problems))
+    return extra

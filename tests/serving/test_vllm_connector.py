@@ -1,0 +1,162 @@
+"""Serving tier: the kvlingo connector inside vLLM (CPU build, the serving venv `.venv-serve` that
+`bash infra/bootstrap.sh --serve` builds), identity SmolLM2 → SmolLM2, fp32, greedy.
+
+A producer engine answers 21 prompts and saves their K/V; a consumer engine then answers the same prompts
+naming those conversations (translated requests), plus one naming a conversation that does not exist, and
+afterwards the same prompts as ordinary requests. vLLM's own answers (the producer's, and the consumer's
+ordinary requests) are the reference.
+"""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.serving
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE_PY = ROOT / ".venv-serve" / "bin" / "python"
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+ENVELOPE = 450  # the consumer's max_prefix_tokens; the last prompt is longer
+MAX_TOKENS = 24
+MISSING = "0" * 32
+
+
+def _prompts(tokenizer, data: Path) -> list[list[int]]:
+    """20 chat prompts of 140-400 tokens (each longer than one 128-token block, so the prefix cache could share
+    blocks between equal prompts) and one of 460-900 tokens, beyond the envelope."""
+    short, long = [], None
+    with gzip.open(data / "chat" / "hh-rlhf-harmless-base.test.jsonl.gz", "rt") as f:
+        for line in f:
+            text = json.loads(line)["chosen"].strip()
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": "Continue this dialogue:\n" + text}],
+                                                 add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(chat, add_special_tokens=False).input_ids
+            if 140 <= len(ids) <= 400 and len(short) < 20:
+                short.append(ids)
+            elif ENVELOPE + 10 <= len(ids) <= 900 and long is None:
+                long = ids
+            if len(short) == 20 and long is not None:
+                return short + [long]
+    raise AssertionError("the chat data holds too few prompts of the lengths this test needs")
+
+
+def _run_engine(spec: dict, tmp: Path, name: str) -> tuple[dict, str]:
+    spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}-out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([str(SERVE_PY), str(DRIVER), str(spec_path), str(out_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{name} engine failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return json.loads(out_path.read_text()), done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, shared_data_dir):
+    if not SERVE_PY.is_file():
+        pytest.fail(f"the serving venv is missing ({SERVE_PY}): run `bash infra/bootstrap.sh --serve`")
+    from infra.zoo import load_model, model_signature
+
+    loaded = load_model("smollm2-135m-instruct")
+    signature = model_signature(loaded)
+    model_dir = loaded.model.config._name_or_path
+    prompts = _prompts(loaded.tokenizer, shared_data_dir)
+    tmp = tmp_path_factory.mktemp("serving")
+    store = tmp / "store"
+    extra = {"store": str(store), "model_signature": signature}
+    produced, _ = _run_engine({"model": model_dir, "kv_role": "kv_producer", "extra_config": extra,
+                               "max_tokens": MAX_TOKENS, "phases": [[{"prompt_token_ids": p} for p in prompts]]},
+                              tmp, "producer")
+    keys = [out["kv_transfer_params"]["conversation"] for out in produced["phases"][0]]
+    translated = [{"prompt_token_ids": p, "kv_transfer_params": {"source_conversation": k}}
+                  for p, k in zip(prompts, keys)]
+    translated.append({"prompt_token_ids": prompts[0], "kv_transfer_params": {"source_conversation": MISSING}})
+    consumed, log = _run_engine({"model": model_dir, "kv_role": "kv_consumer",
+                                 "extra_config": {**extra, "translator": "identity", "max_prefix_tokens": ENVELOPE},
+                                 "max_tokens": MAX_TOKENS,
+                                 "phases": [translated, [{"prompt_token_ids": p} for p in prompts]]}, tmp, "consumer")
+    return {"prompts": prompts, "produced": produced["phases"][0], "translated": consumed["phases"][0],
+            "ordinary": consumed["phases"][1], "log": log, "store": store, "keys": keys, "loaded": loaded,
+            "block_size": consumed["block_size"]}
+
+
+@pytest.fixture(scope="module")
+def shared_data_dir():
+    data = ROOT.parent / "shared" / "data"
+    if not data.is_dir():
+        pytest.fail(f"offline data not found at {data} (../shared/data beside the repository)")
+    return data
+
+
+def test_identity_through_both_connectors_equals_vllm_native(served):
+    prompts = served["prompts"][:20]
+    for i, prompt in enumerate(prompts):
+        translated, native = served["translated"][i], served["ordinary"][i]
+        params = translated["kv_transfer_params"]
+        assert params["status"] == "applied", params
+        assert params["loaded_tokens"] == len(prompt) - 1
+        # vLLM counts the loaded tokens as cached: only the prompt's last token was computed by the engine.
+        assert translated["num_cached_tokens"] == len(prompt) - 1
+        assert translated["token_ids"] == native["token_ids"], f"prompt {i}"
+        assert translated["token_ids"] == served["produced"][i]["token_ids"], f"prompt {i}"
+        assert "conversation" not in params  # a consumer saves nothing
+
+
+def test_saved_keys_are_the_models_post_norm_keys(served):
+    """The producer's saved K/V (read from vLLM's paged cache, keys rotated back) against HF's own capture."""
+    from infra.serving import ConversationStore
+    from translators.capture import capture
+
+    loaded = served["loaded"]
+    prompt = served["prompts"][2]
+    reference = capture(loaded.model, loaded.layout, torch.tensor(prompt), "post_norm")
+    header = ConversationStore(served["store"]).header(served["keys"][2])
+    assert header["token_ids"] == prompt and header["point"] == "post_norm"
+    rows = ConversationStore(served["store"]).load(served["keys"][2], list(range(loaded.layout.n_layers)), 0,
+                                                   len(prompt))
+    for layer in range(loaded.layout.n_layers):
+        scale = reference.keys[layer].abs().max()
+        assert (rows["keys"][layer] - reference.keys[layer]).abs().max() <= 1e-3 * scale, layer
+        vscale = reference.values[layer].abs().max()
+        assert (rows["values"][layer] - reference.values[layer]).abs().max() <= 1e-3 * vscale, layer
+
+
+def test_over_envelope_request_falls_back_with_the_native_answer(served):
+    long, native = served["translated"][20], served["ordinary"][20]
+    params = long["kv_transfer_params"]
+    assert len(served["prompts"][20]) > ENVELOPE
+    assert params["status"] == "fallback_reprefill" and params["loaded_tokens"] == 0
+    assert f"exceeds the translator's envelope of {ENVELOPE} tokens" in params["reason"]
+    assert long["token_ids"] == native["token_ids"] == served["produced"][20]["token_ids"]
+
+
+def test_missing_conversation_falls_back_with_the_native_answer(served):
+    missing = served["translated"][21]
+    assert missing["kv_transfer_params"]["status"] == "fallback_reprefill"
+    assert "is not in the store" in missing["kv_transfer_params"]["reason"]
+    assert missing["token_ids"] == served["ordinary"][0]["token_ids"]
+
+
+def test_later_ordinary_requests_do_not_reuse_translated_blocks(served):
+    """Every prompt holds at least one full block, so without the translated requests' cache salt the ordinary
+    requests would have found their blocks in the prefix cache."""
+    assert all(len(p) > served["block_size"] for p in served["prompts"])
+    # The fallback requests (over the envelope, missing conversation) prefilled natively, unsalted: the ordinary
+    # requests for those two prompts reuse their native blocks, as ordinary requests would.
+    native_prefilled = {0, 20}
+    for i, out in enumerate(served["ordinary"]):
+        if i in native_prefilled:
+            assert out["num_cached_tokens"] >= served["block_size"], i
+        else:
+            assert out["num_cached_tokens"] == 0, (i, out["num_cached_tokens"])
+
+
+def test_statuses_are_counted_in_the_log(served):
+    lines = [line for line in served["log"].splitlines() if "kvlingo request" in line]
+    assert len(lines) == 22
+    assert lines[-1].rstrip().endswith("[totals applied=20 fallback_reprefill=2 unsupported=0]"), lines[-1]
