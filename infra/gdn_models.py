@@ -70,11 +70,11 @@ class GDNSpec:
     linear_value_head_dim: int = 32
     linear_conv_kernel_dim: int = 4
     mse_steps: int = 300
-    kl_steps: int = 600
+    kl_steps: int = 900
     batch_size: int = 2  # conversations per step
     max_tokens: int = 512  # a conversation longer than this is cut
     mse_lr: float = 3e-3
-    kl_lr: float = 1e-3
+    kl_lr: float = 3e-3
     copy_weight: float = 4.0  # extra KL weight where the next token is copied from earlier in the conversation
     warmup_frac: float = 0.05
     seed: int = 21

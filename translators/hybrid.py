@@ -195,3 +195,53 @@ def translated_logits(source_model: nn.Module, source: CacheLayout, target_model
     cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
     return cache_logits(target_model, cache, prefix, continuation)
 
+
+
+def distill_hybrid(translator: HybridTranslator, source_model: nn.Module, source: CacheLayout, target_model: nn.Module,
+                   target: CacheLayout, samples: Sequence[tuple[torch.Tensor, torch.Tensor]], *, steps: int,
+                   lr: float, batch: int = 4, warmup_frac: float = 0.05, seed: int = 0) -> list[float]:
+    """Stage 2 for a hybrid target: KL(target native ‖ translated) over each sample's continuation, through the
+    frozen target into the K/V maps and the state corrections (zero and copy layers have no parameters).
+
+    AdamW (no weight decay), warm-up + cosine, gradient clip 1.0, one conversation at a time, ``batch``
+    conversations per step. The source's captures and the target's own logits are computed once per sample.
+
+    Args:
+        samples: (prefix [n], continuation [m]) id pairs, one conversation each.
+    Returns:
+        the loss of every step.
+    Raises:
+        ConfigError: no samples or steps < 1. NonFiniteError: a non-finite loss (the step is not applied).
+    """
+    from translators.errors import NonFiniteError
+    from translators.train import cosine_with_warmup, step_indices
+
+    if not samples or steps < 1:
+        raise ConfigError(f"stage 2 needs samples and steps >= 1, got {len(samples)} samples and {steps} steps")
+    params = [p for p in translator.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    captures: dict[int, HybridCapture] = {}
+    teachers: dict[int, torch.Tensor] = {}
+    losses = []
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * cosine_with_warmup(step, steps, warmup_frac)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for i in step_indices(step, batch, len(samples), seed):
+            prefix, continuation = samples[i]
+            with torch.no_grad():
+                if i not in captures:
+                    captures[i] = capture_hybrid(source_model, source, prefix[:-1], translator.point)
+                    teachers[i] = teacher_logits(target_model, prefix, continuation)
+            tokens, states = translator(captures[i])
+            cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
+            loss = kl_per_position(teachers[i], cache_logits(target_model, cache, prefix, continuation)).mean() / batch
+            loss.backward()
+            total += loss.item()
+        if not torch.isfinite(torch.tensor(total)):
+            raise NonFiniteError(f"hybrid stage 2: non-finite loss at step {step}")
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        losses.append(total)
+    return losses

@@ -171,3 +171,23 @@ def test_gradients_reach_the_correction_through_the_frozen_target(model, layout)
     kl_per_position(teacher, _logits(model, layout, maps, prefix, continuation)).mean().backward()
     for name, param in maps.maps.items():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_stage_two_lowers_the_kl_of_a_noisy_closed_form():
+    """Distillation through the frozen hybrid target pulls perturbed K/V maps and state corrections back."""
+    from translators.hybrid import HybridTranslator, distill_hybrid, hybrid_validation_kl
+
+    model = tiny_gdn_model(seed=0)
+    layout = cache_layout(model)
+    translator = HybridTranslator(layout, layout, StateMaps(layout, layout, {0: CORRECTED, 1: CORRECTED}))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in translator.kv.items():
+            p.copy_(torch.eye(p.shape[0]) + 0.3 * torch.randn(p.shape, generator=g) / p.shape[0] ** 0.5)
+        for name, p in translator.states.maps.items():
+            p.add_(0.1 * torch.randn(p.shape, generator=g) / max(p.shape[-1], 1) ** 0.5)
+    samples = [(_ids(10 + i % 5, 40 + i), _ids(3, 80 + i)) for i in range(8)]
+    before = hybrid_validation_kl(model, layout, model, layout, samples, translator).mean
+    losses = distill_hybrid(translator, model, layout, model, layout, samples, steps=40, lr=5e-3, batch=4)
+    after = hybrid_validation_kl(model, layout, model, layout, samples, translator).mean
+    assert len(losses) == 40 and after < 0.5 * before, (before, after)
