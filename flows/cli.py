@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -520,6 +521,54 @@ def ui(
     except KvlingoError as err:
         _fail(err)
     raise typer.Exit(code)
+
+
+@app.command()
+def serve(
+    source: Annotated[str, typer.Argument(help="source model: its server saves every request's K/V")],
+    target: Annotated[str, typer.Argument(help="target model: its server starts from translated caches")],
+    translator: Annotated[str, typer.Option(help="PATH, models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH "
+                                                 "or identity (same model)")],
+    port: Annotated[int, typer.Option(min=1, max=65534, help="source server port; the target's is port + 1")] = 8100,
+    store: Annotated[Path | None, typer.Option(help="directory for saved conversations "
+                                                     "(default $KVLINGO_HOME/serving/conversations)")] = None,
+    max_prefix_tokens: Annotated[int | None, typer.Option(help="cap on the prefix length served translated")] = None,
+) -> None:
+    """Start vLLM OpenAI servers for SOURCE and TARGET on 127.0.0.1 with the kvlingo connector; Ctrl-C stops both.
+
+    Needs the serving venv (`bash infra/bootstrap.sh --serve`). Ask the source server as usual: its responses
+    carry `kv_transfer_params.conversation`; ask the target with `kv_transfer_params: {"source_conversation":
+    KEY}` and its response says `applied`, `fallback_reprefill` or `unsupported` with a reason.
+    """
+    from infra.settings import kvlingo_home
+    from infra.vllm_servers import serve_python, start_server, stop_servers, wait_ready
+    from tasks.serve import plan_servers
+
+    try:
+        python = serve_python()
+        specs = plan_servers(source, target, translator, store, max_prefix_tokens)
+    except KvlingoError as err:
+        _fail(err)
+    logs = kvlingo_home() / "serving" / "logs"
+    servers = []
+    try:
+        for offset, spec in enumerate(specs):
+            servers.append(start_server(python, spec.model_dir, spec.name, port + offset, spec.kv_role, spec.extra,
+                                        logs / f"{spec.kv_role}-{port + offset}.log"))
+        wait_ready(servers)
+        for role, server in zip(("source", "target"), servers):
+            Console().print(f"{role} {server.name}: {server.url} (log {server.log})", soft_wrap=True, highlight=False)
+        Console().print("Ctrl-C to stop both", highlight=False)
+        while all(s.process.poll() is None for s in servers):
+            time.sleep(1)
+        gone = next(s for s in servers if s.process.poll() is not None)
+        _fail(KvlingoError(f"the {gone.name} server exited with code {gone.process.returncode}; see {gone.log}"), 1)
+    except KeyboardInterrupt:
+        pass
+    except KvlingoError as err:
+        _fail(err, 1)
+    finally:
+        stop_servers(servers)
 
 
 @app.command()

@@ -710,6 +710,17 @@ def load_translator_uri(
         return load_translator(translator_dir(downloaded), source=source_sig, target=target_sig)
 
 
+def fetch_translator(uri: str, destination: str | Path) -> Path:
+    """Download the translator a `models:/` or `runs:/` URI names into `destination` (kept) and return its
+    artifact directory, for processes that cannot import MLflow (the vLLM connector).
+
+    Raises:
+        RegistryError: the URI names nothing in the store, or holds no translator artifact.
+    """
+    Path(destination).mkdir(parents=True, exist_ok=True)
+    return translator_dir(_download(str(uri), str(destination)))
+
+
 def _download(uri: str, destination: str) -> Path:
     use_tracking_store()  # first: it sets the offline switches MLflow reads on import
     import mlflow

@@ -1,0 +1,110 @@
+"""Start a source and a target vLLM OpenAI server on 127.0.0.1 with the kvlingo connector, and stop them.
+
+The servers run from the serving venv (`bash infra/bootstrap.sh --serve`): the source engine is a producer
+(it saves every request's K/V and returns the conversation key in `kv_transfer_params`), the target a consumer
+serving one translator. `kvlingo serve` is the command line over this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra.serving import ServingError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONNECTOR = {"kv_connector": "KvlingoConnector", "kv_connector_module_path": "infra.vllm_connector"}
+
+
+def serve_python() -> Path:
+    """The serving venv's python.
+
+    Raises:
+        ServingError: the serving venv is not built (the message says how to build it).
+    """
+    python = ROOT / ".venv-serve" / "bin" / "python"
+    if not python.is_file():
+        raise ServingError(f"the serving venv is missing ({python}): build it with `bash infra/bootstrap.sh --serve`")
+    return python
+
+
+@dataclass
+class Server:
+    name: str  # the model name clients pass as `model`
+    url: str  # http://127.0.0.1:PORT/v1
+    process: subprocess.Popen
+    log: Path
+
+
+def server_command(python: Path, model_dir: str, name: str, port: int, kv_role: str,
+                   extra: dict[str, Any]) -> list[str]:
+    """The command line of one vLLM OpenAI server with the kvlingo connector (`extra`: its
+    kv_connector_extra_config, see `infra.serving.check_served_config`)."""
+    config = {**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": extra}
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
+            name, "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(config)]
+
+
+def start_server(python: Path, model_dir: str, name: str, port: int, kv_role: str, extra: dict[str, Any],
+                 log: Path) -> Server:
+    """Start one server in its own process group (stdout and stderr to `log`); returns at once."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log, "ab") as out:
+        process = subprocess.Popen(server_command(python, model_dir, name, port, kv_role, extra), cwd=ROOT, env=env,
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return Server(name, f"http://127.0.0.1:{port}/v1", process, log)
+
+
+def wait_ready(servers: list[Server], timeout_s: float = 600) -> None:
+    """Wait until every server answers GET /v1/models.
+
+    Raises:
+        ServingError: a server exited or did not answer within `timeout_s` (the end of its log is quoted).
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    waiting = list(servers)
+    while waiting:
+        for server in list(waiting):
+            if server.process.poll() is not None:
+                raise ServingError(f"the {server.name} server exited with code {server.process.returncode}; "
+                                   f"its log ({server.log}) ends:\n{tail(server.log)}")
+            try:
+                if httpx.get(f"{server.url}/models", timeout=2).status_code == 200:
+                    waiting.remove(server)
+            except httpx.HTTPError:
+                pass
+        if waiting and time.monotonic() > deadline:
+            raise ServingError(f"{', '.join(s.url for s in waiting)} did not answer within {timeout_s:.0f} s; "
+                               f"see {', '.join(str(s.log) for s in waiting)}")
+        if waiting:
+            time.sleep(1)
+
+
+def stop_servers(servers: list[Server], grace_s: float = 30) -> None:
+    """SIGTERM each server's process group, then SIGKILL what is left after `grace_s`."""
+    for server in servers:
+        if server.process.poll() is None:
+            os.killpg(server.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for server in servers:
+        try:
+            server.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()
+
+
+def tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,66 @@
+"""Plan a source/target pair of vLLM servers with the kvlingo connector (`kvlingo serve`).
+
+Everything that needs kvlingo's own stack happens here, before an engine starts: the models are resolved and
+loaded once for their signatures (the connector pins the pair with them), a registry reference is downloaded
+into a local artifact directory (the connector imports no MLflow), and the translator is checked against the
+pair (a mismatch is reported now, not as every request falling back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra.settings import kvlingo_home
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    model_dir: str
+    kv_role: str
+    extra: dict[str, Any]  # kv_connector_extra_config
+
+
+def plan_servers(source: str, target: str, translator: str, store: Path | None = None,
+                 max_prefix_tokens: int | None = None) -> tuple[EngineSpec, EngineSpec]:
+    """The producer (source) and consumer (target) engines.
+
+    Raises:
+        ConfigError: a malformed translator reference or a bad max_prefix_tokens; UnknownModelError /
+            ModelUnavailableError: a model that cannot be resolved; PairMismatchError: an artifact fitted for
+            another pair, or the identity between different models; RegistryError: a URI naming nothing.
+    """
+    from infra.serving import serve_translator
+    from infra.zoo import load_model, model_signature
+    from registry.translator_ref import parse_translator_ref
+    from translators.artifact import check_signature
+    from translators.errors import ConfigError
+
+    ref = parse_translator_ref(translator)
+    if max_prefix_tokens is not None and max_prefix_tokens < 1:
+        raise ConfigError(f"--max-prefix-tokens must be positive, got {max_prefix_tokens}")
+    src, tgt = load_model(source, device="cpu"), load_model(target, device="cpu")
+    src_sig, tgt_sig = model_signature(src), model_signature(tgt)
+    if ref.kind == "identity":
+        check_signature(tgt_sig, src_sig, "source")  # identity: the target reads its own model's cache
+        path = "identity"
+    elif ref.kind == "path":
+        path = str(ref.path.resolve())
+    else:
+        from registry.tracking import fetch_translator
+
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in ref.text)
+        path = str(fetch_translator(ref.text, kvlingo_home() / "serving" / "translators" / safe))
+    served = serve_translator(path, tgt.layout, tgt_sig, max_prefix_tokens)
+    check_signature(served.source, src_sig, "source")
+    store = Path(store) if store is not None else kvlingo_home() / "serving" / "conversations"
+    extra = {"store": str(store)}
+    producer = EngineSpec(src.name, src.model.config._name_or_path, "kv_producer",
+                          {**extra, "model_signature": src_sig})
+    consumer_extra = {**extra, "model_signature": tgt_sig, "translator": path}
+    if max_prefix_tokens is not None:
+        consumer_extra["max_prefix_tokens"] = max_prefix_tokens
+    consumer = EngineSpec(tgt.name, tgt.model.config._name_or_path, "kv_consumer", consumer_extra)
+    return producer, consumer
