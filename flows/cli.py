@@ -326,6 +326,33 @@ def bench_speed(
     _print_speed(result)
 
 
+@bench_app.command("serve")
+def bench_serve(
+    source: Annotated[str, typer.Argument(help="source model (its engine saves the prompt's K/V)")],
+    target: Annotated[str, typer.Argument(help="target model (its engine answers after the switch)")],
+    lengths: Annotated[str, typer.Option(help="comma-separated prompt lengths n")] = "512,1024,2048",
+    translator: Annotated[str, typer.Option(help="PATH, models:/NAME@ALIAS or identity (same model)")] = "identity",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """Time to first token through vLLM after a switch vs vLLM's own prefill of the same prompt (same engine,
+    one run each; needs the serving venv, `bash infra/bootstrap.sh --serve`)."""
+    from tasks.bench_serve import run_serve_bench
+    from tasks.bench_speed import parse_lengths
+
+    try:
+        result = run_serve_bench(source, target, parse_lengths(lengths), translator)
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    table = Table("n", "switch s", "prefill s", "prefill / switch", "status")
+    for row in result["rows"]:
+        table.add_row(str(row["n"]), f"{row['switch_s']:.3f}", f"{row['prefill_s']:.3f}", f"{row['ratio']:.2f}×",
+                      row["status"])
+    Console().print(table)
+
+
 @bench_app.command("step")
 def bench_step(
     source: Annotated[str, typer.Argument(help="source model")],

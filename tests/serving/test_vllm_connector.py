@@ -21,7 +21,6 @@ pytestmark = pytest.mark.serving
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_PY = ROOT / ".venv-serve" / "bin" / "python"
-DRIVER = Path(__file__).with_name("vllm_driver.py")
 ENVELOPE = 450  # the consumer's max_prefix_tokens; the last prompt is longer
 MAX_TOKENS = 24
 MISSING = "0" * 32
@@ -50,7 +49,7 @@ def _run_engine(spec: dict, tmp: Path, name: str) -> tuple[dict, str]:
     spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}-out.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([str(SERVE_PY), str(DRIVER), str(spec_path), str(out_path)], cwd=ROOT, env=env,
+    done = subprocess.run([str(SERVE_PY), "-m", "infra.vllm_run", str(spec_path), str(out_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{name} engine failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return json.loads(out_path.read_text()), done.stdout + done.stderr
