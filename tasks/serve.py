@@ -36,7 +36,7 @@ def plan_servers(source: str, target: str, translator: str, store: Path | None =
     from infra.zoo import load_model, model_signature
     from registry.translator_ref import parse_translator_ref
     from translators.artifact import check_signature
-    from translators.errors import ConfigError
+    from translators.errors import ConfigError, PairMismatchError
 
     ref = parse_translator_ref(translator)
     if max_prefix_tokens is not None and max_prefix_tokens < 1:
@@ -44,7 +44,12 @@ def plan_servers(source: str, target: str, translator: str, store: Path | None =
     src, tgt = load_model(source, device="cpu"), load_model(target, device="cpu")
     src_sig, tgt_sig = model_signature(src), model_signature(tgt)
     if ref.kind == "identity":
-        check_signature(tgt_sig, src_sig, "source")  # identity: the target reads its own model's cache
+        try:  # identity: the target reads its own model's cache
+            check_signature(tgt_sig, src_sig, "source")
+        except PairMismatchError as err:
+            raise PairMismatchError(f"--translator identity serves a model's cache to the same model, but {source!r} "
+                                    f"and {target!r} differ ({_which(err)}); "
+                                    "give a translator fitted for the pair") from None
         path = "identity"
     elif ref.kind == "path":
         path = str(ref.path.resolve())
@@ -64,3 +69,10 @@ def plan_servers(source: str, target: str, translator: str, store: Path | None =
         consumer_extra["max_prefix_tokens"] = max_prefix_tokens
     consumer = EngineSpec(tgt.name, tgt.model.config._name_or_path, "kv_consumer", consumer_extra)
     return producer, consumer
+
+
+def _which(err: Exception) -> str:
+    """The differing field of a signature mismatch, worded for two models rather than an artifact and a model."""
+    field = str(err).split(": ", 1)[-1].split(". Fit", 1)[0]
+    return field.replace("source.", "", 1).replace(" in the artifact but ", " for the target but ").replace(
+        " for the loaded model", " for the source")

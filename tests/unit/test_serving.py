@@ -154,3 +154,20 @@ def test_connector_settings_report_every_problem():
     for part in ("store:", "model_signature:", "translator:", "unknown settings ['speed']"):
         assert part in message
     assert check_served_config({"store": "/s", "model_signature": {}}, consumer=False)
+
+
+def test_plan_servers_checks_the_pair_before_any_engine(tmp_path):
+    from tasks.serve import plan_servers
+
+    llama = save_tiny_model_dir("llama", tmp_path / "llama", seed=1)
+    qwen = save_tiny_model_dir("qwen3", tmp_path / "qwen3", seed=1)
+    with pytest.raises(PairMismatchError, match="--translator identity serves a model's cache to the same model"):
+        plan_servers(str(llama), str(qwen), "identity", store=tmp_path / "store")
+    producer, consumer = plan_servers(str(llama), str(llama), "identity", store=tmp_path / "store",
+                                      max_prefix_tokens=100)
+    assert (producer.kv_role, consumer.kv_role) == ("kv_producer", "kv_consumer")
+    assert consumer.extra["translator"] == "identity" and consumer.extra["max_prefix_tokens"] == 100
+    assert producer.extra["model_signature"] == consumer.extra["model_signature"]
+    assert check_served_config(consumer.extra, consumer=True) and check_served_config(producer.extra, consumer=False)
+    with pytest.raises(ConfigError, match="not a valid registry URI"):
+        plan_servers(str(llama), str(llama), "models:/x", store=tmp_path / "store")
