@@ -107,8 +107,8 @@ ZOO: dict[str, ModelSpec] = {
             "kvlingo-tiny-l-gdn",
             "embedded",
             "kvlingo-tiny-l-gdn",
-            "embedded Qwen3.5-class hybrid of kvlingo-tiny-l (GDN layers 0, 1, 3, 4; attention 2, 5), the same state "
-            "geometry as kvlingo-tiny-s-gdn; derived by kvlingo on first use",
+            "embedded Qwen3.5-class hybrid of kvlingo-tiny-l (GDN layers 0-3, attention 4-5), mixers grown from "
+            "kvlingo-tiny-s-gdn's (same state geometry); derived by kvlingo on first use",
         ),
         ModelSpec(
             "smollm2-135m-instruct",

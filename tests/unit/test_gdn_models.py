@@ -21,8 +21,8 @@ def parent():
 
 
 def _spec(layer_types, **overrides):
-    return GDNSpec(parent="kvlingo-tiny-s", layer_types=tuple(layer_types), linear_num_key_heads=1,
-                   linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, **overrides)
+    geometry = dict(linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8)
+    return GDNSpec(parent="kvlingo-tiny-s", layer_types=tuple(layer_types), **{**geometry, **overrides})
 
 
 def test_all_attention_conversion_reproduces_the_parent_exactly(parent):
@@ -101,3 +101,27 @@ def test_family_members_share_one_state_geometry():
                  s.linear_conv_kernel_dim) for s in gdn_models.GDN_MODELS.values()}
     assert len(geometry) == 1
     assert all(s.layer_types[-1] == FULL for s in gdn_models.GDN_MODELS.values())  # the copy-head layer stays
+
+
+def test_grown_mixers_keep_the_function_and_the_states(parent):
+    """A hybrid grown from a narrower one (mixers grown into the Net2Net-grown parent) computes the same function
+    and holds the same states in the layers that grew from each other: consecutive generations of one model."""
+    from transformers import Qwen3Config
+
+    from translators.capture import capture_hybrid
+
+    torch.manual_seed(1)
+    small = convert_qwen3_to_gdn(parent, _spec((LINEAR, LINEAR, FULL)))
+    config = Qwen3Config(**{**parent.config.to_dict(), "hidden_size": 96, "intermediate_size": 128,
+                            "num_hidden_layers": 5, "num_attention_heads": 4, "layer_types": None})
+    grown_parent = tiny_models.grow_qwen3(parent, config).eval()
+    large = convert_qwen3_to_gdn(grown_parent, _spec((LINEAR, FULL, LINEAR, FULL, FULL)))
+    assert gdn_models.grow_mixers(large, small) == {0: 0, 2: 1}  # growth placed parent layers 0, 1, 2 at 0, 2, 4
+    ids = torch.randint(0, 97, (1, 17), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (large(input_ids=ids).logits - small(input_ids=ids).logits).abs().max() < 1e-4
+        small_states = capture_hybrid(small, cache_layout(small), ids[0]).states["recurrent_state"]
+        large_states = capture_hybrid(large, cache_layout(large), ids[0]).states["recurrent_state"]
+    assert torch.allclose(large_states[2], small_states[1], atol=1e-5)
+    with pytest.raises(ConfigError, match="geometry differs"):
+        gdn_models.grow_mixers(convert_qwen3_to_gdn(grown_parent, _spec((LINEAR,) * 5, linear_key_head_dim=16)), small)

@@ -132,3 +132,20 @@ def test_state_written_before_conv_window_is_refused(model):
     RECURRENT_STATE.write(cache, 0, torch.ones(1, 2, 8, 12))
     assert torch.equal(RECURRENT_STATE.read(cache, 0), torch.ones(1, 2, 8, 12))
     assert torch.equal(CONV_WINDOW.read(cache, 0), torch.ones(1, 40, 4))
+
+
+def test_doctor_cli_round_trips_a_hybrid_directory(tmp_path):
+    import json
+
+    from tiny_configs import tiny_tokenizer, words
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    tiny_gdn_model().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    result = CliRunner().invoke(app, ["doctor", str(tmp_path), "--prompt", words(20), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["objects"] == ["conv_window", "recurrent_state", "keys", "values"]
+    assert all(row["max_abs_logit_diff"] <= 1e-4 and row["grad_ok"] for row in report["points"].values())
