@@ -245,3 +245,49 @@ def distill_hybrid(translator: HybridTranslator, source_model: nn.Module, source
         optimizer.step()
         losses.append(total)
     return losses
+
+
+def select_corrections(source_model: nn.Module, source: CacheLayout, target_model: nn.Module, target: CacheLayout,
+                       corrected: HybridTranslator, samples: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[HybridTranslator, dict[int, float]]:
+    """Per target linear layer, keep the fitted correction only where it lowers KL on ``samples``.
+
+    Greedy in layer order from plain copy everywhere: layer t switches to ``copy_corrected`` (with ``corrected``'s
+    fitted parameters) when that lowers the mean KL given the choices made so far. The corrected fit is
+    least-squares optimal in the states' Frobenius norm, which is not what the target reads (each head's output is
+    RMS-normalised, so its scale is not seen), hence the check on the target's own predictions.
+
+    Args:
+        corrected: a translator whose every linear layer is ``copy_corrected``, fitted (K/V maps and states).
+        samples: (prefix, continuation) pairs held out from the state fit.
+    Returns:
+        (a translator with the chosen strategy per layer and corrected's K/V maps, {layer: KL after deciding it}).
+    Raises:
+        ConfigError: ``corrected`` has a linear layer that is not copy_corrected, or no samples.
+    """
+    from translators.states import COPY, CORRECTED
+
+    strategies = corrected.states.strategies
+    if any(s != CORRECTED for s in strategies.values()):
+        raise ConfigError(f"select_corrections needs every linear layer {CORRECTED!r}, got {strategies}")
+
+    def build(choice: dict[int, str]) -> HybridTranslator:
+        maps = StateMaps(source, target, choice, assignment=corrected.states.assignment)
+        for t, strategy in choice.items():
+            if strategy == CORRECTED:
+                m = corrected.states.maps
+                maps.set_correction(t, m[f"left_{t}"], m[f"right_{t}"], m[f"conv_weight_{t}"], m[f"conv_bias_{t}"])
+        translator = HybridTranslator(source, target, maps, corrected.point)
+        translator.kv.load_state_dict(corrected.kv.state_dict())
+        return translator
+
+    choice = dict.fromkeys(strategies, COPY)
+    best = hybrid_validation_kl(source_model, source, target_model, target, samples, build(choice)).mean
+    trace = {}
+    for t in sorted(strategies):
+        trial = {**choice, t: CORRECTED}
+        kl = hybrid_validation_kl(source_model, source, target_model, target, samples, build(trial)).mean
+        if kl < best:
+            choice, best = trial, kl
+        trace[t] = best
+    return build(choice), trace

@@ -191,3 +191,48 @@ def test_stage_two_lowers_the_kl_of_a_noisy_closed_form():
     losses = distill_hybrid(translator, model, layout, model, layout, samples, steps=40, lr=5e-3, batch=4)
     after = hybrid_validation_kl(model, layout, model, layout, samples, translator).mean
     assert len(losses) == 40 and after < 0.5 * before, (before, after)
+
+
+def _keys_permuted(model, layer: int):
+    """The same function with the key dimensions of layer's GDN heads permuted (query and key channels alike,
+    conv weights with them; the conv is depthwise and SiLU elementwise, so the logits do not change), while that
+    layer's state rows and conv window channels come out permuted: a copy is wrong, a left map undoes it."""
+    import copy
+
+    permuted = copy.deepcopy(model)
+    attn = permuted.model.layers[layer].linear_attn
+    perm = torch.randperm(attn.head_k_dim, generator=torch.Generator().manual_seed(0))
+    index = torch.arange(attn.conv_dim)
+    for block in (0, attn.key_dim):  # query channels, then key channels
+        for head in range(attn.num_k_heads):
+            start = block + head * attn.head_k_dim
+            index[start:start + attn.head_k_dim] = start + perm
+    with torch.no_grad():
+        attn.in_proj_qkv.weight.copy_(attn.in_proj_qkv.weight[index])
+        attn.conv1d.weight.copy_(attn.conv1d.weight[index])
+    return permuted
+
+
+def test_selection_keeps_a_correction_only_where_it_lowers_kl():
+    from translators.hybrid import HybridTranslator, fit_kv_maps, fit_states, select_corrections
+
+    target = tiny_gdn_model(seed=0)
+    source = _keys_permuted(target, 0)
+    layout = cache_layout(target)
+    ids = _ids(16, 1).view(1, -1)
+    with torch.no_grad():
+        assert torch.allclose(source(input_ids=ids).logits, target(input_ids=ids).logits, atol=1e-4)
+    prompts = [_ids(12 + i % 6, 200 + i) for i in range(30)]
+    samples = [(_ids(12 + i % 4, 300 + i), _ids(4, 400 + i)) for i in range(6)]
+    with torch.no_grad():
+        src = [capture_hybrid(source, layout, p) for p in prompts]
+        tgt = [capture_hybrid(target, layout, p) for p in prompts]
+    corrected = HybridTranslator(layout, layout, StateMaps(layout, layout, {0: CORRECTED, 1: CORRECTED}))
+    fit_kv_maps(corrected, src, tgt, ridge=1e-8)
+    fits = fit_states(corrected, src, tgt, ridge=1e-8)
+    assert fits[0].state_copy > 0.5 and fits[0].state_corrected < 1e-6  # layer 0: exactly a permutation to undo
+    with torch.no_grad():  # spoil layer 1's correction (its states are identical: copy is exact there)
+        corrected.states.maps["left_1"].mul_(2.0)
+    selected, trace = select_corrections(source, layout, target, layout, corrected, samples)
+    assert selected.states.strategies == {0: CORRECTED, 1: COPY}
+    assert trace[0] < 1e-4 and trace[1] == trace[0]
