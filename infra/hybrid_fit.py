@@ -31,8 +31,12 @@ def _samples(tokenizer, count: int, seed: int):
 
 
 def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: int = 60, ridge_kv: float = 1e-4,
-               ridge_state: float = 1e-3, passes: int = 2, progress: bool = False) -> dict:
+               ridge_state: float = 1e-3, passes: int = 2, distill_steps: int = 0, distill_lr: float = 1e-3,
+               progress: bool = False) -> dict:
     """Fit and score the three state strategies for one direction; returns the report dict (JSON-able).
+
+    ``distill_steps`` > 0 adds ``distilled``: stage 2 (`translators.hybrid.distill_hybrid`, batches of 4 fit
+    conversations) from the ``selected`` translator, trained and scored on a copy.
 
     Raises:
         ConfigError: unknown model names, or models without the same state geometry (copy needs it).
@@ -48,7 +52,7 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         strategies_for,
     )
     from translators.layout import cache_layout
-    from translators.states import COPY, CORRECTED, STRATEGIES, StateMaps
+    from translators.states import COPY, CORRECTED, STRATEGIES, StateMaps, read_metric
 
     started = time.perf_counter()
     source_model, tokenizer = load_gdn_model(source_name, progress=progress)
@@ -70,12 +74,26 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         else:
             translator.kv.load_state_dict(kv_state)
         if strategy == CORRECTED:
-            # Fitted without the held-out pairs: they score the fit and then select the corrections.
-            state_fits = fit_states(translator, src_caps, tgt_caps, ridge=ridge_state, passes=passes, n_heldout=held)
+            # Fitted without the held-out pairs: they score the fit and then select the corrections. The key side
+            # of the error is weighted by how the target reads its states (its queries and keys).
+            metrics = read_metric(target_model, target, [p[:-1] for p, _ in fit[:-held]])
+            state_fits = fit_states(translator, src_caps, tgt_caps, ridge=ridge_state, passes=passes, n_heldout=held,
+                                    metrics=metrics)
         translators[strategy] = translator
     selected, selection_trace = select_corrections(source_model, source, target_model, target,
                                                    translators[CORRECTED], fit[-held:])
     translators["selected"] = selected
+    distill_seconds = None
+    if distill_steps > 0:
+        import copy
+
+        from translators.hybrid import distill_hybrid
+
+        distilled = copy.deepcopy(selected)
+        started_distill = time.perf_counter()
+        distill_hybrid(distilled, source_model, source, target_model, target, fit, steps=distill_steps, lr=distill_lr)
+        distill_seconds = round(time.perf_counter() - started_distill, 1)
+        translators["distilled"] = distilled
     val_kl = {strategy: asdict(hybrid_validation_kl(source_model, source, target_model, target, val, tr))
               for strategy, tr in translators.items()}
     val_kl["empty_prefix"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val, None,
@@ -86,6 +104,7 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         "kv_r2_heldout": [asdict(f) for f in kv_fits], "state_fit_heldout": [asdict(f) for f in state_fits],
         "selected_strategies": selected.states.strategies,
         "selection_kl": {str(k): v for k, v in selection_trace.items()},
+        "distill_steps": distill_steps, "distill_lr": distill_lr, "distill_seconds": distill_seconds,
         "val_kl": val_kl, "capture_seconds": round(capture_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -99,9 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("target")
     parser.add_argument("--n-fit", type=int, default=200, help="fit conversations")
     parser.add_argument("--n-val", type=int, default=60, help="validation conversations")
+    parser.add_argument("--distill-steps", type=int, default=0, help="stage-2 steps from the selected translator")
+    parser.add_argument("--distill-lr", type=float, default=1e-3, help="stage-2 peak learning rate")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    report = fit_report(args.source, args.target, n_fit=args.n_fit, n_val=args.n_val)
+    report = fit_report(args.source, args.target, n_fit=args.n_fit, n_val=args.n_val,
+                        distill_steps=args.distill_steps, distill_lr=args.distill_lr)
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
     else:

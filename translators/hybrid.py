@@ -134,10 +134,11 @@ def fit_kv_maps(translator: HybridTranslator, source: Sequence[HybridCapture], t
 
 
 def fit_states(translator: HybridTranslator, source: Sequence[HybridCapture], target: Sequence[HybridCapture], *,
-               ridge: float = 1e-3, passes: int = 2, n_heldout: int = 0):
-    """Fit the state corrections (`states.fit_corrections`) of ``translator`` from paired captures, in place."""
+               ridge: float = 1e-3, passes: int = 2, n_heldout: int = 0, metrics=None):
+    """Fit the state corrections (`states.fit_corrections`, optional `states.read_metric` metrics) of
+    ``translator`` from paired captures, in place."""
     return fit_corrections(translator.states, [c.states for c in source], [c.states for c in target], ridge=ridge,
-                           passes=passes, n_heldout=n_heldout)
+                           passes=passes, n_heldout=n_heldout, metrics=metrics)
 
 
 def paired_captures(source_model: nn.Module, source: CacheLayout, target_model: nn.Module, target: CacheLayout,

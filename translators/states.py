@@ -95,12 +95,16 @@ def _ridge_towards_identity(gram: torch.Tensor, cross: torch.Tensor, ridge: floa
     return torch.linalg.solve(gram + lam * eye, cross + lam * eye)
 
 
-def fit_bilinear(source: torch.Tensor, target: torch.Tensor, *, ridge: float = 1e-3,
-                 passes: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_bilinear(source: torch.Tensor, target: torch.Tensor, *, ridge: float = 1e-3, passes: int = 2,
+                 metric: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per value head h, L[h] (dk x dk) and R[h] (dv x dv) with target[n, h] ≈ L[h] source[n, h] R[h].
 
     Alternating ridge passes starting from R = I: L given R is a ridge regression of target^T rows on
     (source R)^T rows, R given L one of target on L source; both shrink towards the identity (plain copy).
+
+    ``metric`` [Hv, dk, dk] (optional, symmetric PSD) weighs the key side of the error, ||M^½ (L X R − Y)||²:
+    the target reads its state only along its queries and keys (`read_metric`), so errors along key directions
+    it never reads should not steer R. (L's row-wise fit does not depend on it.)
 
     Args:
         source, target: [n, Hv, dk, dv] paired states (same prompts).
@@ -123,7 +127,8 @@ def fit_bilinear(source: torch.Tensor, target: torch.Tensor, *, ridge: float = 1
                                          ridge)
         left = left_t.transpose(-1, -2)
         w = left @ x  # [n, h, dk, dv]; target ≈ w R
-        right = _ridge_towards_identity(torch.einsum("nhji,nhjk->hik", w, w), torch.einsum("nhji,nhjk->hik", w, y),
+        mw = w if metric is None else metric.double() @ w  # [n, h, dk, dv]
+        right = _ridge_towards_identity(torch.einsum("nhji,nhjk->hik", w, mw), torch.einsum("nhji,nhjk->hik", mw, y),
                                         ridge)
     return left, right
 
@@ -251,13 +256,15 @@ class CorrectionFit:
 
 def fit_corrections(maps: StateMaps, source_states: Sequence[Mapping[str, Mapping[int, torch.Tensor]]],
                     target_states: Sequence[Mapping[str, Mapping[int, torch.Tensor]]], *, ridge: float = 1e-3,
-                    passes: int = 2, n_heldout: int = 0) -> list[CorrectionFit]:
+                    passes: int = 2, n_heldout: int = 0,
+                    metrics: Mapping[int, torch.Tensor] | None = None) -> list[CorrectionFit]:
     """Fit every ``copy_corrected`` layer of ``maps`` in closed form from paired captures, in place.
 
     Args:
         source_states, target_states: per prompt, `HybridCapture.states` of the source and of the target on the
             same prompt (one conversation each).
         n_heldout: the last n pairs are left out of the fit and score it (0: score on the fitted pairs).
+        metrics: target layer → [Hv, dk, dk] key-side metric of `fit_bilinear` (`read_metric`); default none.
     Returns:
         one CorrectionFit per corrected layer.
     Raises:
@@ -277,7 +284,8 @@ def fit_corrections(maps: StateMaps, source_states: Sequence[Mapping[str, Mappin
         ys = torch.cat([c[STATE][t] for c in target_states]).double()
         xc = torch.cat([c[CONV][s] for c in source_states]).double()  # [n, C, K]
         yc = torch.cat([c[CONV][t] for c in target_states]).double()
-        left, right = fit_bilinear(xs[:n_fit], ys[:n_fit], ridge=ridge, passes=passes)
+        left, right = fit_bilinear(xs[:n_fit], ys[:n_fit], ridge=ridge, passes=passes,
+                                   metric=None if metrics is None else metrics[t])
         weight, bias = fit_conv_affine(xc[:n_fit], yc[:n_fit], ridge=ridge)
         maps.set_correction(t, left, right, weight, bias)
         score = slice(n_fit, None) if n_heldout else slice(None)
@@ -288,3 +296,54 @@ def fit_corrections(maps: StateMaps, source_states: Sequence[Mapping[str, Mappin
             conv_corrected=relative_error(torch.einsum("cd,ndk->nck", weight, xc[score]) + bias.view(1, -1, 1),
                                           yc[score])))
     return fits
+
+
+def read_metric(model: nn.Module, layout: CacheLayout, prompts: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per linear layer, how the model reads its state: M[h] = E[q̂ q̂ᵀ] + E[k̂ k̂ᵀ] over the tokens of ``prompts``
+    ([Hv, dk, dk] fp64), with q̂, k̂ the l2-normalised queries and keys of value head h (the output reads S^T q̂,
+    the delta-rule update S^T k̂).
+
+    Recomputed from the layer's own projection, causal conv and SiLU (hooks on ``in_proj_qkv``).
+    """
+    import torch.nn.functional as F
+
+    from translators.layout import decoder_of
+
+    layers = linear_layers(layout)
+    mixers = {i: decoder_of(model).layers[i].linear_attn for i in layers}
+    raw: dict[int, torch.Tensor] = {}  # layer → [n_tokens, C] pre-conv projections of the current prompt
+    sums = {i: 0.0 for i in layers}
+    count = 0
+    hooks = []
+    try:
+        for i in layers:
+            hooks.append(mixers[i].in_proj_qkv.register_forward_hook(_keep_output(raw, i)))
+        with torch.no_grad():
+            for ids in prompts:
+                model(input_ids=ids.view(1, -1).to(model.device), use_cache=False, logits_to_keep=1)
+                for i in layers:
+                    mixer = mixers[i]
+                    x = raw[i].T.unsqueeze(0)  # [1, C, n]
+                    n = x.shape[-1]
+                    conv = F.silu(F.conv1d(x, mixer.conv1d.weight, mixer.conv1d.bias, padding=mixer.conv_kernel_size - 1,
+                                           groups=mixer.conv_dim)[..., :n])[0].T  # [n, C]
+                    q = conv[:, :mixer.key_dim].reshape(n, mixer.num_k_heads, mixer.head_k_dim)
+                    k = conv[:, mixer.key_dim:2 * mixer.key_dim].reshape(n, mixer.num_k_heads, mixer.head_k_dim)
+                    repeat = mixer.num_v_heads // mixer.num_k_heads
+                    q = F.normalize(q.double(), dim=-1, eps=1e-6).repeat_interleave(repeat, dim=1)
+                    k = F.normalize(k.double(), dim=-1, eps=1e-6).repeat_interleave(repeat, dim=1)
+                    sums[i] = sums[i] + torch.einsum("nhi,nhj->hij", q, q) + torch.einsum("nhi,nhj->hij", k, k)
+                count += int(ids.numel())
+    finally:
+        for h in hooks:
+            h.remove()
+    return {i: sums[i] / max(count, 1) for i in layers}
+
+
+def _keep_output(store: dict[int, torch.Tensor], layer: int):
+    """A forward hook storing row 0 of a module's output ([n_tokens, C]) under ``layer``."""
+
+    def hook(_module, _inputs, output):
+        store[layer] = output[0].detach()
+
+    return hook

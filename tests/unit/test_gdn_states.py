@@ -236,3 +236,32 @@ def test_selection_keeps_a_correction_only_where_it_lowers_kl():
     selected, trace = select_corrections(source, layout, target, layout, corrected, samples)
     assert selected.states.strategies == {0: CORRECTED, 1: COPY}
     assert trace[0] < 1e-4 and trace[1] == trace[0]
+
+
+def test_read_metric_is_the_second_moment_of_unit_queries_and_keys(model, layout):
+    from translators.states import read_metric
+
+    prompts = [_ids(9 + i, 500 + i) for i in range(4)]
+    metrics = read_metric(model, layout, prompts)
+    assert set(metrics) == {0, 1} and metrics[0].shape == (2, 8, 8) and metrics[0].dtype == torch.float64
+    trace = metrics[1].diagonal(dim1=-2, dim2=-1).sum(-1)
+    assert torch.allclose(trace, torch.full((2,), 2.0, dtype=torch.float64), atol=1e-4)  # |q̂|² + |k̂|² = 2
+    assert torch.allclose(metrics[0], metrics[0].transpose(-1, -2))
+    assert torch.linalg.eigvalsh(metrics[0]).min() > -1e-12
+    assert torch.equal(metrics[0][0], metrics[0][1])  # one key head serves both value heads
+
+
+def test_a_metric_weighs_which_rows_r_must_fit():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(400, 1, 4, 6, generator=g, dtype=torch.float64)
+    right = torch.eye(6, dtype=torch.float64) + 0.5 * torch.randn(6, 6, generator=g, dtype=torch.float64)
+    y = x @ right
+    y[:, :, 3] = torch.randn(400, 1, 6, generator=g, dtype=torch.float64) * 10  # row 3: loud and unrelated
+    fl, fr = fit_bilinear(x, y, ridge=1e-10, passes=10)  # R must compromise with row 3
+    unread = torch.diag(torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)).unsqueeze(0)
+    wl, wr = fit_bilinear(x, y, ridge=1e-10, passes=10, metric=unread)  # row 3 is never read
+    read_rows = slice(0, 3)
+    assert relative_error((wl @ x @ wr)[:, :, read_rows], y[:, :, read_rows]) < 1e-6
+    assert relative_error((fl @ x @ fr)[:, :, read_rows], y[:, :, read_rows]) > 1e-3
+    same_l, same_r = fit_bilinear(x, y, ridge=1e-10, passes=10, metric=torch.eye(4, dtype=torch.float64)[None])
+    assert torch.allclose(same_r, fr)
