@@ -69,9 +69,10 @@ def served(tmp_path_factory, shared_data_dir):
     store = tmp / "store"
     extra = {"store": str(store), "model_signature": signature}
     produced, _ = _run_engine({"model": model_dir, "kv_role": "kv_producer", "extra_config": extra,
-                               "max_tokens": MAX_TOKENS, "phases": [[{"prompt_token_ids": p} for p in prompts]]},
+                               "max_tokens": MAX_TOKENS, "phases": [[{"prompt_token_ids": p} for p in prompts] + [
+                                   {"prompt_token_ids": prompts[1], "kv_transfer_params": {"source_conversation": MISSING}}]]},
                               tmp, "producer")
-    keys = [out["kv_transfer_params"]["conversation"] for out in produced["phases"][0]]
+    keys = [out["kv_transfer_params"]["conversation"] for out in produced["phases"][0][:len(prompts)]]
     translated = [{"prompt_token_ids": p, "kv_transfer_params": {"source_conversation": k}}
                   for p, k in zip(prompts, keys)]
     translated.append({"prompt_token_ids": prompts[0], "kv_transfer_params": {"source_conversation": MISSING}})
@@ -153,6 +154,15 @@ def test_later_ordinary_requests_do_not_reuse_translated_blocks(served):
             assert out["num_cached_tokens"] >= served["block_size"], i
         else:
             assert out["num_cached_tokens"] == 0, (i, out["num_cached_tokens"])
+
+
+def test_a_producer_answers_requests_naming_a_source_natively(served):
+    """A producer-only engine cannot load: the request is `unsupported`, answered natively, and saved as usual."""
+    out = served["produced"][21]
+    params = out["kv_transfer_params"]
+    assert params["status"] == "unsupported" and "is not a consumer" in params["reason"]
+    assert params["loaded_tokens"] == 0 and len(params["conversation"]) == 32
+    assert out["token_ids"] == served["produced"][1]["token_ids"]
 
 
 def test_statuses_are_counted_in_the_log(served):
