@@ -54,7 +54,7 @@ class HybridTranslator(nn.Module):
     """Translates a source `HybridCapture` into a hybrid target's cache objects.
 
     ``kv``: fp32 maps ``<object>_<target layer>`` [d_tgt, d_src] for keys and values of every target attention
-    layer (identity-free: fitted or zero); ``states``: the `StateMaps` of the target's linear layers.
+    layer (zero until `fit_kv_maps`); ``states``: the `StateMaps` of the target's linear layers.
     """
 
     def __init__(self, source: CacheLayout, target: CacheLayout, states: StateMaps, point: str = "pre_norm"):

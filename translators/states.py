@@ -225,11 +225,9 @@ class StateMaps(nn.Module):
         out: dict[str, dict[int, torch.Tensor]] = {CONV: {}, STATE: {}}
         for t, strategy in self.strategies.items():
             state_shape, conv_shape = self.shapes[t]
-            if strategy == ZERO:
-                reference = next(iter(next(iter(states.values())).values()), None) if states else None
-                dtype = reference.dtype if reference is not None else torch.float32
-                out[STATE][t] = torch.zeros(1, *state_shape, dtype=dtype)
-                out[CONV][t] = torch.zeros(1, *conv_shape, dtype=dtype)
+            if strategy == ZERO:  # fp32 like the engine's GDN states; writing casts to the model's dtype
+                out[STATE][t] = torch.zeros(1, *state_shape)
+                out[CONV][t] = torch.zeros(1, *conv_shape)
                 continue
             s = self.assignment[t]
             state, conv = states[STATE][s], states[CONV][s]
