@@ -82,7 +82,7 @@ def served(tmp_path_factory, shared_data_dir):
                                  "phases": [translated, [{"prompt_token_ids": p} for p in prompts]]}, tmp, "consumer")
     return {"prompts": prompts, "produced": produced["phases"][0], "translated": consumed["phases"][0],
             "ordinary": consumed["phases"][1], "log": log, "store": store, "keys": keys, "loaded": loaded,
-            "block_size": consumed["block_size"]}
+            "block_size": consumed["block_size"], "signature": signature, "model_dir": model_dir, "tmp": tmp}
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +169,50 @@ def test_statuses_are_counted_in_the_log(served):
     lines = [line for line in served["log"].splitlines() if "kvlingo request" in line]
     assert len(lines) == 22
     assert lines[-1].rstrip().endswith("[totals applied=20 fallback_reprefill=2 unsupported=0]"), lines[-1]
+
+
+N_ARTIFACT = 10
+ARTIFACT_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def artifact_run(served):
+    """A consumer serving a translator artifact (identity plus noise, at post_norm, ν = 1) for the saved
+    conversations, and kvlingo's own HF switch runtime with the same translator as the reference."""
+    from translators.artifact import save_translator
+    from translators.generation import GenerationSettings
+    from translators.stage1 import Side
+    from translators.switch import switch_generate
+    from translators.translator import Translator
+
+    loaded = served["loaded"]
+    n, d = loaded.layout.n_layers, loaded.layout.kv_width
+    translator = Translator({o: {t: (t,) for t in range(n)} for o in ("keys", "values")}, d, d, "post_norm")
+    g = torch.Generator().manual_seed(0)
+    for p in translator.maps.values():
+        p.data.copy_(torch.eye(d) + 0.2 * torch.randn(d, d, generator=g) / d ** 0.5)
+    artifact = save_translator(translator, served["tmp"] / "noisy", source=served["signature"],
+                               target=served["signature"], fit={"config": {"max_prefix_tokens": 1024}})
+    items = [{"prompt_token_ids": p, "kv_transfer_params": {"source_conversation": k}}
+             for p, k in zip(served["prompts"][:N_ARTIFACT], served["keys"])]
+    consumed, _ = _run_engine({"model": served["model_dir"], "kv_role": "kv_consumer",
+                               "extra_config": {"store": str(served["store"]), "model_signature": served["signature"],
+                                                "translator": str(artifact)},
+                               "max_tokens": ARTIFACT_TOKENS, "phases": [items]}, served["tmp"], "artifact")
+    side = Side(loaded.model, loaded.layout)
+    settings = GenerationSettings(max_new_tokens=ARTIFACT_TOKENS)
+    reference = [list(map(int, switch_generate(side, side, p, translator, settings).token_ids))
+                 for p in served["prompts"][:N_ARTIFACT]]
+    return consumed["phases"][0], reference
+
+
+def test_an_artifact_translator_in_vllm_agrees_with_the_hf_switch_runtime(served, artifact_run):
+    outputs, reference = artifact_run
+    for i, out in enumerate(outputs):
+        params = out["kv_transfer_params"]
+        assert params["status"] == "applied" and params["loaded_tokens"] == len(served["prompts"][i]) - 1, params
+    first = sum(out["token_ids"][0] == ref[0] for out, ref in zip(outputs, reference))
+    assert first >= N_ARTIFACT - 1, [(out["token_ids"], ref) for out, ref in zip(outputs, reference)]
+    # The maps were applied: the translated cache is not the native one.
+    native = [o["token_ids"][:ARTIFACT_TOKENS] for o in served["ordinary"][:N_ARTIFACT]]
+    assert any(out["token_ids"] != nat for out, nat in zip(outputs, native))
