@@ -118,7 +118,9 @@ class Translator(nn.Module):
     ) -> torch.Tensor:
         """One target layer of object `name` from the source's objects (object name → tensors indexed by source
         layer, [n_tokens, width]; only the layers the map reads are needed) → [n_tokens, d_tgt] fp32."""
-        stacked = torch.cat([self.features(name, sources, s) for s in self.assignment[name][target_layer]], dim=-1)
+        features = [self.features(name, sources, s) for s in self.assignment[name][target_layer]]
+        # cat copies even a single tensor: at ν = 1 that is one needless copy of the source layer per map.
+        stacked = features[0] if len(features) == 1 else torch.cat(features, dim=-1)
         return stacked.to(torch.float32) @ self.weight(name, target_layer).T  # [n, ν·d_src] @ [ν·d_src, d_tgt]
 
     def with_token_embedding(
