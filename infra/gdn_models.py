@@ -60,6 +60,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from infra import tiny_models
+from infra.mla_models import token_kl
 from infra.settings import kvlingo_home
 from translators.errors import ConfigError
 
@@ -251,14 +252,6 @@ def _batch(rows: dict, start: int, size: int) -> dict:
     width = int(picked["lengths"].max())
     return {"input_ids": picked["input_ids"][:, :width], "weights": picked["weights"][:, :width],
             "copies": picked["copies"][:, :width], "lengths": picked["lengths"]}
-
-
-def token_kl(teacher_logits, student_logits):
-    """(rows, T) KL(teacher || student) per position, in nats. Inputs: (rows, T, vocab) logits."""
-    import torch.nn.functional as F
-
-    return F.kl_div(F.log_softmax(student_logits, -1), F.log_softmax(teacher_logits, -1),
-                    log_target=True, reduction="none").sum(-1)
 
 
 def mean_kl(teacher, student, rows: dict, batch_size: int = 8) -> float:
