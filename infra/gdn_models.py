@@ -154,16 +154,13 @@ def ensure_gdn_model(name: str, *, home: Path | None = None, progress: bool = Tr
     models_dir = Path(home if home is not None else kvlingo_home()) / "models"
     final = models_dir / name
     recipe = _recipe(name)
-    if tiny_models._read_build_hash(final) == tiny_models._hash(recipe):
+    if tiny_models.is_built(final, recipe):
         return final
     # Before taking the lock: building the parent takes it too, and it is not re-entrant.
     parent_dir = tiny_models.ensure_tiny_model(spec.parent, home=home, progress=progress)
     mixers_dir = ensure_gdn_model(spec.mixers_from, home=home, progress=progress) if spec.mixers_from else None
-    with tiny_models._build_lock(models_dir):
-        if tiny_models._read_build_hash(final) == tiny_models._hash(recipe):  # built while we waited
-            return final
-        return tiny_models._atomic_build(final, recipe,
-                                         lambda tmp: _write_model(name, parent_dir, tmp, progress, mixers_dir))
+    return tiny_models.build_under_lock(final, recipe,
+                                        lambda tmp: _write_model(name, parent_dir, tmp, progress, mixers_dir))
 
 
 def load_gdn_model(name: str, *, home: Path | None = None, progress: bool = True):

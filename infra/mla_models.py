@@ -190,14 +190,11 @@ def ensure_mla_model(name: str, *, home: Path | None = None, progress: bool = Tr
     models_dir = Path(home if home is not None else kvlingo_home()) / "models"
     final = models_dir / name
     recipe = _recipe(name)
-    if tiny_models._read_build_hash(final) == tiny_models._hash(recipe):
+    if tiny_models.is_built(final, recipe):
         return final
     # Before taking the lock: building a parent takes it too, and it is not re-entrant.
     parent_dir = _ensure_parent(spec.parent, home, progress)
-    with tiny_models._build_lock(models_dir):
-        if tiny_models._read_build_hash(final) == tiny_models._hash(recipe):  # built while we waited
-            return final
-        return tiny_models._atomic_build(final, recipe, lambda tmp: _write_model(name, parent_dir, tmp, progress))
+    return tiny_models.build_under_lock(final, recipe, lambda tmp: _write_model(name, parent_dir, tmp, progress))
 
 
 def load_mla_model(name: str, *, home: Path | None = None, progress: bool = True):

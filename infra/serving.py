@@ -12,7 +12,6 @@ head_dim], plus a JSON header with the token ids and the source model's signatur
 from __future__ import annotations
 
 import json
-import os
 import re
 import uuid
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from translators.artifact import check_signature, load_translator
+from translators.artifact import check_signature, load_translator, replace_file
 from translators.errors import ConfigError, KvlingoError, PairMismatchError
 from translators.layout import CacheLayout, cache_layout, decoder_of
 from translators.switch import identity_translator
@@ -83,13 +82,7 @@ class ConversationStore:
         data = save(tensors, metadata={"kvlingo": json.dumps(header)})
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex}.tmp")
-        try:
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        replace_file(path, data)
         return path
 
     def header(self, key: str) -> dict[str, Any] | None:

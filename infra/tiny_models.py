@@ -178,6 +178,21 @@ def _build_lock(models_dir: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def is_built(final: Path, recipe: dict) -> bool:
+    """``final`` holds a complete build of ``recipe``."""
+    return _read_build_hash(final) == _hash(recipe)
+
+
+def build_under_lock(final: Path, recipe: dict, write) -> Path:
+    """Build ``final`` with ``write(tmp_dir)`` (see :func:`_atomic_build`) under the build lock of its folder,
+    unless another process built it while we waited for the lock. Callers build parents first: the lock is not
+    re-entrant."""
+    with _build_lock(final.parent):
+        if is_built(final, recipe):
+            return final
+        return _atomic_build(final, recipe, write)
+
+
 def _atomic_build(final: Path, recipe: dict, write) -> Path:
     """Run ``write(tmp_dir)`` into a temp dir beside ``final``, record the recipe, then rename.
 
@@ -649,15 +664,12 @@ def ensure_tiny_model(name: str, *, home: Path | None = None, progress: bool = T
     models_dir = Path(home if home is not None else kvlingo_home()) / "models"
     final = models_dir / name
     recipe = _model_recipe(name)
-    if _read_build_hash(final) == _hash(recipe):
+    if is_built(final, recipe):
         return final
     # Before taking the lock: building the parent takes it too, and it is not re-entrant.
     parent_dir = ensure_tiny_model(spec.grown_from, home=home, progress=progress) if spec.grown_from else None
-    with _build_lock(models_dir):
-        if _read_build_hash(final) == _hash(recipe):  # another process built it while we waited
-            return final
-        tokenizer_dir = _ensure_tokenizer(models_dir)
-        return _atomic_build(final, recipe, lambda tmp: _write_model(name, tokenizer_dir, tmp,
+    # The tokenizer is ensured inside `write`, so under the same lock.
+    return build_under_lock(final, recipe, lambda tmp: _write_model(name, _ensure_tokenizer(models_dir), tmp,
                                                                      progress, parent_dir))
 
 

@@ -60,12 +60,12 @@ def save_translator(
     }
     # Weights first, then the manifest that vouches for them; each file is replaced whole, so two processes
     # saving the same translator (concurrent sweeps) or a reader never see a half-written file.
-    _replace_file(directory / WEIGHTS, weights)
-    _replace_file(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+    replace_file(directory / WEIGHTS, weights)
+    replace_file(directory / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
     return directory
 
 
-def _replace_file(path: Path, data: bytes) -> None:
+def replace_file(path: Path, data: bytes) -> None:
     """Write `data` to a temporary file beside `path`, then rename it onto `path` (atomic on one filesystem)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex}.tmp")  # unique per writer
     try:
