@@ -402,6 +402,7 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
     """Assignment, closed-form maps, held-out R², validation KL beside the two controls; saves the artifact."""
     from translators.artifact import save_translator
     from translators.cross import alignment_summary, validation_kl_for as validation_kl
+    from translators.quality import record_quality
     from translators.stage1 import assign_layers, heldout_r2, random_like, solve_translator
 
     config = plan.config
@@ -421,7 +422,10 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
     }
     if plan.cross_tokenizer:  # the target's own boilerplate alone (BOS, headers): what translated content adds to
         kl["boilerplate_only"] = validation_kl(src, tgt, pairs, None, condition="boilerplate_only")
-    extra = {}
+    # How faithfully the target reads this translator's cache, per prefix length, with a calibrated floor: what the
+    # serving gate reads before loading (translators/quality.py); in the manifest and the summary.
+    quality = record_quality(src, tgt, pairs, translator)
+    extra = {"quality": {"closed_form": quality}}
     if config.token_identity == "codebook":  # how much of the prompt the source's cache gives away (privacy)
         extra["codebook_accuracy"] = codebook_accuracy_on(plan, pairs)
     summary = {
@@ -456,7 +460,7 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         plan.out / "closed_form",
         **plan.signatures,
         fit={"stage": "closed_form", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "r2": summary["r2"],
-             "fingerprint": plan.fingerprint, "data_manifest": plan.data_manifest,
+             "fingerprint": plan.fingerprint, "data_manifest": plan.data_manifest, "quality": quality,
              **({"alignment": summary["alignment"]} if "alignment" in summary else {})},
     )
     return translator, summary
@@ -473,6 +477,7 @@ def distill(
     """
     from translators.artifact import save_translator
     from translators.cross import validation_kl_for as validation_kl
+    from translators.quality import record_quality
 
     updates = {k: v for k, v in (("lr", lr), ("seed", seed)) if v is not None}
     config = plan.config.model_copy(update=updates)
@@ -481,7 +486,9 @@ def distill(
     fields = plan.stage2_fields(config)
     distilled, history = _stage2(config, closed_form, src, tgt, plan.train, plan.val_pairs, fields, out)
     final = validation_kl(src, tgt, plan.val_pairs, distilled)
+    quality = record_quality(src, tgt, plan.val_pairs, distilled)
     summary = {**summary}
+    summary["quality"] = {**summary.get("quality", {}), "distilled": quality}
     summary["val_kl"] = {**summary["val_kl"], "distilled": final.mean}
     summary["val_kl_se"] = {**summary["val_kl_se"], "distilled": final.se}
     summary["first_token_kl"] = {**summary["first_token_kl"], "distilled": final.first_token}
@@ -494,7 +501,7 @@ def distill(
         **plan.signatures,
         fit={"stage": "distilled", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "steps": config.steps,
              "lr": config.lr, "fingerprint": fingerprint(fields), "data_manifest": plan.data_manifest,
-             **({"alignment": summary["alignment"]} if "alignment" in summary else {})},
+             "quality": quality, **({"alignment": summary["alignment"]} if "alignment" in summary else {})},
     )
     return distilled, summary
 
