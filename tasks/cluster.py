@@ -2,7 +2,7 @@
 
 One switch for all of it: `workers` > 1 or a Ray address (`--ray-address`, or the RAY_ADDRESS environment
 variable) sends the work to Ray; without them everything runs in this process as before. Results equal the
-one-process path bit for bit:
+one-process path (bit for bit for stage 1):
 
 - Stage 1: the content-addressed 32-sample shards of tasks/fit.py (`shard_samples`) are the unit of work. Each
   actor returns its shard's fp64 sums; this process stores them under their content address (so a re-run, on Ray
@@ -12,7 +12,9 @@ one-process path bit for bit:
 - Evaluation: tasks/evaluate.py splits the work into (benchmark, condition, item shard) units over the actors
   (`_score_on_ray`): each item-sharded benchmark's items go to `workers` shards by their index in the runner's
   deterministic item list (`BenchContext.owns`), and the shards' {item id: score} merge into the one-process
-  mapping, so rows and paired CIs are identical.
+  mapping, so rows and paired CIs hold the same items and counts; their fp32 KL scores agree to rounding (an
+  actor runs one thread, this process may run more, and fp32 matmul sums depend on the thread count on some
+  CPUs).
 
 Actors read models by name from their own KVLINGO_HOME (passed from this process, for clusters on one shared
 filesystem; on other clusters set it on every node) and take one GPU each when the cluster has GPUs

@@ -317,7 +317,7 @@ def _score_on_ray(config: EvalConfig, specs: list, conditions: list[str], source
                   on_benchmark: Callable[[str], None] | None) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Every (benchmark, condition, item shard) unit (`eval_units`: item-sharded benchmarks split into
     `config.workers` shards) on `config.workers` Ray actors (tasks/cluster.py); rows assembled here in the
-    one-process order (`rows_from_units`), so they equal `score_benchmark`'s: items are keyed by id and assigned to
+    one-process order (`rows_from_units`), so they equal `score_benchmark`'s (KL scores to fp32 rounding): items are keyed by id and assigned to
     shards by their index in the runner's deterministic item list, never by timing, and each unit runs its items
     with the same seed.
 

@@ -9,6 +9,7 @@ The two actors need one CPU each and each node has one, so the shards are comput
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -132,6 +133,19 @@ def _maps(summary: dict) -> dict[str, torch.Tensor]:
     return load_file(str(Path(summary["artifact"]) / "weights.safetensors"))
 
 
+def _same_to_fp32_rounding(a, b) -> bool:
+    """Equal structure, strings and integers; floats within 1e-5 relative (fp32 sums in another order agree to
+    ~1e-7)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(a, b, rel_tol=1e-5,
+                                                                                          abs_tol=1e-9)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_to_fp32_rounding(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_to_fp32_rounding(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def test_stage1_on_two_nodes_matches_one_process_bit_for_bit(cluster, models_dir, tmp_path):
     one = _fit(tmp_path / "one", models_dir, "--workers", "1")
     two = _fit(tmp_path / "two", models_dir, "--workers", "2", "--ray-address", cluster)
@@ -153,11 +167,16 @@ def test_stage1_on_two_nodes_matches_one_process_bit_for_bit(cluster, models_dir
     assert all(torch.equal(v, _maps(again)[k]) for k, v in b.items())
 
     # Evaluation: (benchmark, condition, item shard) units on the two nodes (both benchmarks are item-sharded:
-    # each condition's 4 items split 2 + 2 over the workers) give the one-process rows, CIs included.
+    # each condition's 4 items split 2 + 2 over the workers) give the one-process rows, CIs included: the same
+    # items, counts and recall hits; KL to fp32 rounding (the actors run one thread, this process two, and fp32
+    # matmuls sum in another order at another thread count: 8.345098733 vs 8.345099449 nats measured in CI).
     evaluate = ["eval", *PAIR, "--fit-dir", one["run_dir"], "--benchmark", "recall", "--benchmark", "first_token_kl",
                 "--limit", "4", "--json"]
     assert get("recall").item_shards and get("first_token_kl").item_shards
     rows_one = _kvlingo(tmp_path / "one", models_dir, *evaluate, "--workers", "1")
     rows_two = _kvlingo(tmp_path / "two", models_dir, *evaluate, "--workers", "2", "--ray-address", cluster)
     assert rows_one["conditions"] == rows_two["conditions"] and "closed_form" in rows_one["conditions"]
-    assert rows_one["rows"] == rows_two["rows"] and len(rows_one["rows"]) >= 8 and rows_two["errors"] == []
+    assert len(rows_one["rows"]) >= 8 and rows_two["errors"] == []
+    assert _same_to_fp32_rounding(rows_one["rows"], rows_two["rows"]), (rows_one["rows"], rows_two["rows"])
+    recall = [(r["condition"], r["score"]) for r in rows_one["rows"] if r["benchmark"] == "recall"]
+    assert recall == [(r["condition"], r["score"]) for r in rows_two["rows"] if r["benchmark"] == "recall"]
