@@ -560,12 +560,17 @@ def serve(
     store: Annotated[Path | None, typer.Option(help="directory for saved conversations "
                                                      "(default $KVLINGO_HOME/serving/conversations)")] = None,
     max_prefix_tokens: Annotated[int | None, typer.Option(help="cap on the prefix length served translated")] = None,
+    reverse_translator: Annotated[str | None, typer.Option(
+        help="TARGET → SOURCE translator (same forms as --translator): both servers then save and load, so a "
+             "conversation can switch back and forth")] = None,
 ) -> None:
     """Start vLLM OpenAI servers for SOURCE and TARGET on 127.0.0.1 with the kvlingo connector; Ctrl-C stops both.
 
     Needs the serving venv (`bash infra/bootstrap.sh --serve`). Ask the source server as usual: its responses
     carry `kv_transfer_params.conversation`; ask the target with `kv_transfer_params: {"source_conversation":
-    KEY}` and its response says `applied`, `fallback_reprefill` or `unsupported` with a reason.
+    KEY}` and its response says `applied`, `fallback_reprefill` or `unsupported` with a reason. With
+    --reverse-translator the target's responses carry a conversation key too, and a switch back reuses the source
+    model's own earlier rows, translating only the target's span.
     """
     from infra.settings import kvlingo_home
     from infra.vllm_servers import serve_python, start_server, stop_servers, wait_ready
@@ -573,7 +578,7 @@ def serve(
 
     try:
         python = serve_python()
-        specs = plan_servers(source, target, translator, store, max_prefix_tokens)
+        specs = plan_servers(source, target, translator, store, max_prefix_tokens, reverse_translator)
     except KvlingoError as err:
         _fail(err)
     logs = kvlingo_home() / "serving" / "logs"

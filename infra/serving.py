@@ -6,7 +6,13 @@ tests it without vLLM.
 
 A saved conversation is one safetensors file per conversation key: per source layer `keys_<l>` (post_norm: the
 engine's post-RoPE keys rotated back at their known positions) and `values_<l>`, both [n_tokens, n_kv_heads *
-head_dim], plus a JSON header with the token ids and the source model's signature (`infra.zoo.model_signature`).
+head_dim], plus a JSON header with the token ids, the source model's signature (`infra.zoo.model_signature`)
+and, when the engine started that prompt from another conversation, which one and how many tokens it loaded.
+
+Segment-wise hand-off across engines: when a conversation returns to a model, the rows it held before are reused
+from its own saved conversation (no translation: its own keys, re-rotated at the same positions) and only the span
+the other model wrote since is translated. A producer saves a request's prompt, so the next engine computes the
+previous answer's K/V itself as part of the new span.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -61,13 +67,15 @@ class ConversationStore:
         return self.directory / f"{check_conversation_key(key)}.safetensors"
 
     def save(self, key: str, keys: list[torch.Tensor], values: list[torch.Tensor], token_ids: list[int],
-             source: dict[str, Any]) -> Path:
+             source: dict[str, Any], loaded: dict[str, Any] | None = None) -> Path:
         """Write one conversation atomically (a reader never sees half a file).
 
         Args:
             keys, values: per source layer [n_tokens, n_kv_heads * head_dim]; keys at post_norm.
             token_ids: the n_tokens token ids they were computed for.
             source: the source model's signature.
+            loaded: {"conversation": key, "tokens": n} when the first n rows were loaded from that conversation
+                (translated or reused) rather than computed from the prompt by this model; None otherwise.
         Raises:
             ServingError: lengths that disagree.
         """
@@ -78,7 +86,7 @@ class ConversationStore:
         tensors = {f"keys_{i}": k.contiguous() for i, k in enumerate(keys)}
         tensors |= {f"values_{i}": v.contiguous() for i, v in enumerate(values)}
         header = {"format": CONVERSATION_FORMAT, "point": SAVED_POINT, "token_ids": list(map(int, token_ids)),
-                  "n_layers": len(keys), "source": source}
+                  "n_layers": len(keys), "source": source, "loaded": loaded}
         data = save(tensors, metadata={"kvlingo": json.dumps(header)})
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
@@ -177,6 +185,7 @@ class ServedTranslator:
     identity: str  # what isolates its results in the prefix cache: "identity" or the weights' sha256
     source: dict[str, Any] | None  # the source signature the artifact records (identity: the target's own)
     envelope: int | None
+    target: dict[str, Any]  # the signature of the model this engine serves (its own saved conversations carry it)
 
 
 def serve_translator(ref: str, target_layout: CacheLayout, target_signature: dict[str, Any],
@@ -192,7 +201,7 @@ def serve_translator(ref: str, target_layout: CacheLayout, target_signature: dic
         raise ServingError(f"max_prefix_tokens must be a positive integer, got {max_prefix_tokens!r}")
     if ref == "identity":
         return ServedTranslator(ref, identity_translator(target_layout, SAVED_POINT), "identity", target_signature,
-                                max_prefix_tokens)
+                                max_prefix_tokens, target_signature)
     if ref.startswith("models:/"):
         raise ServingError(f"{ref}: resolve registry references to an artifact path before starting the engine "
                            "(`kvlingo serve` does; the connector imports no MLflow)")
@@ -202,26 +211,51 @@ def serve_translator(ref: str, target_layout: CacheLayout, target_signature: dic
     fitted = (manifest.get("fit") or {}).get("config", {}).get("max_prefix_tokens")
     limits = [n for n in (fitted, max_prefix_tokens) if isinstance(n, int)]
     return ServedTranslator(ref, translator, manifest["weights_sha256"], manifest["pair"]["source"],
-                            min(limits) if limits else None)
+                            min(limits) if limits else None, target_signature)
 
 
 @dataclass(frozen=True)
 class Decision:
-    """The gate's verdict for one request: a status, why, and how many prefix tokens to load."""
+    """The gate's verdict for one request: a status, why, and which prefix rows come from where.
+
+    Applied: rows [0, reused) are this model's own, from its saved conversation `own`; rows [reused, n_load) are
+    translated from the named source conversation.
+    """
 
     status: str
     reason: str
     n_load: int = 0
+    reused: int = 0
+    own: str | None = None
 
 
-def gate(served: ServedTranslator, header: dict[str, Any] | None, prompt: list[int], conversation: str) -> Decision:
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def gate(served: ServedTranslator, header_of: Callable[[str], dict[str, Any] | None], prompt: list[int],
+         conversation: str) -> Decision:
     """Decide, before loading anything, whether a request that names a source conversation is served from it.
 
-    applied: load the first n_load tokens (the common prefix of the saved tokens and the prompt, leaving the
-    prompt's last token for the engine). fallback_reprefill: the engine prefills as if no conversation was
-    named (missing conversation, pair mismatch, prefix over the envelope, nothing in common).
-    unsupported: what this connector cannot serve exactly (the reason says what to change).
+    Args:
+        header_of: a saved conversation's header by key, None if it is not stored (`ConversationStore.header`).
+    Returns:
+        applied: load the first n_load tokens (the common prefix of the saved tokens and the prompt, leaving the
+        prompt's last token for the engine). If the source conversation itself started from a conversation this
+        model saved (the conversation returns to it), that conversation's rows are reused and only the rest is
+        translated. fallback_reprefill: the engine prefills as if no conversation was named (missing
+        conversation, pair mismatch, prefix over the envelope, nothing in common, a source whose prefix was
+        translated from a third model's conversation). unsupported: what this connector cannot serve exactly
+        (the reason says what to change).
+    Raises:
+        ServingError: from `header_of`, for a malformed key or a file that is not a conversation.
     """
+    header = header_of(conversation)
     if header is None:
         return Decision(FALLBACK, f"source conversation {conversation} is not in the store")
     source = header.get("source")
@@ -243,20 +277,45 @@ def gate(served: ServedTranslator, header: dict[str, Any] | None, prompt: list[i
         return Decision(UNSUPPORTED, "only GQA → GQA translators (keys and values) are served")
     if translator.token_identity is not None:
         return Decision(UNSUPPORTED, "translators that append token identity are not served yet")
-    saved = header.get("token_ids") or []
-    common = 0
-    for a, b in zip(saved, prompt):
-        if a != b:
-            break
-        common += 1
-    n_load = min(common, len(prompt) - 1)
+    n_load = min(_common_prefix(header.get("token_ids") or [], prompt), len(prompt) - 1)
     if n_load < 1:
         return Decision(FALLBACK, f"the prompt shares no prefix with source conversation {conversation}")
     if served.envelope is not None and n_load > served.envelope:
         return Decision(FALLBACK, f"the prefix of {n_load} tokens exceeds the translator's envelope of "
                                   f"{served.envelope} tokens")
-    return Decision(APPLIED, f"{n_load} of {len(prompt)} prompt tokens translated from conversation {conversation}",
-                    n_load)
+    reused, own = _own_rows(served, header_of, header, prompt, n_load)
+    if isinstance(own, Decision):
+        return own
+    reason = f"{n_load} of {len(prompt)} prompt tokens loaded: "
+    if reused:
+        reason += f"{reused} reused from this model's conversation {own}, "
+    reason += f"{n_load - reused} translated from conversation {conversation}"
+    return Decision(APPLIED, reason, n_load, reused, own)
+
+
+def _own_rows(served: ServedTranslator, header_of: Callable[[str], dict[str, Any] | None], header: dict[str, Any],
+              prompt: list[int], n_load: int) -> tuple[int, str | None | Decision]:
+    """How many leading rows the engine reuses from its own saved conversation, and which one.
+
+    A source conversation whose first rows were loaded (not computed by the source model from the prompt) names
+    where they came from. If that is a conversation of this engine's model holding the same tokens, those rows
+    are reused untranslated; otherwise they are a translation and are not translated again (fallback).
+    """
+    loaded = header.get("loaded")
+    if not loaded:
+        return 0, None
+    earlier, n_earlier = loaded.get("conversation"), loaded.get("tokens")
+    if not isinstance(n_earlier, int) or n_earlier < 1:
+        return 0, Decision(FALLBACK, f"the source conversation records a malformed origin {loaded!r}")
+    reused = min(n_earlier, n_load)
+    own = header_of(check_conversation_key(earlier))
+    mine = own is not None and own.get("source") == served.target
+    if not mine or _common_prefix(own.get("token_ids") or [], prompt) < reused:
+        where = "is gone" if own is None else "holds other tokens" if mine else "is another model's"
+        return 0, Decision(FALLBACK, f"the source conversation's first {n_earlier} rows were loaded from "
+                                     f"conversation {earlier}, which {where}: a translation is not translated "
+                                     "again, the engine re-prefills")
+    return reused, earlier
 
 
 def translate_rows(served: ServedTranslator, rows: dict[str, dict[int, torch.Tensor]], model: torch.nn.Module,
@@ -278,6 +337,24 @@ def translate_rows(served: ServedTranslator, rows: dict[str, dict[int, torch.Ten
         keys = [keys_to_point(model, layout, layer, k, start=served.translator.point, end="post_rope",
                               positions=positions) for layer, k in enumerate(out["keys"])]
     return keys, out["values"]
+
+
+def own_rows(rows: dict[str, dict[int, torch.Tensor]], model: torch.nn.Module, layout: CacheLayout,
+             positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This model's own saved rows, back into the engine's keys and values (no translation).
+
+    Args:
+        rows: {"keys": {layer: [n, width]}, "values": {...}} for every layer, keys at post_norm as saved.
+        positions: [n] the positions they were saved from (the same in the new prompt).
+    Returns:
+        (keys, values): per layer [n, width] fp32; keys re-rotated at `positions`.
+    """
+    from translators.points import keys_to_point
+
+    with torch.no_grad():
+        keys = [keys_to_point(model, layout, layer, rows["keys"][layer].float(), start=SAVED_POINT, end="post_rope",
+                              positions=positions) for layer in range(layout.n_layers)]
+    return keys, [rows["values"][layer] for layer in range(layout.n_layers)]
 
 
 def check_served_config(extra: dict[str, Any], consumer: bool) -> dict[str, Any]:

@@ -11,9 +11,11 @@ Consumer role (`kv_consumer`, or `kv_both`): a request whose `kv_transfer_params
 connector translates the common prefix of the saved tokens and the prompt (all but the prompt's last token)
 with the served translator (`translators.Translator`: identity or an artifact), applies the target's own
 k-norm/RoPE at the target positions, writes the result into vLLM's paged cache and tells vLLM those tokens
-are computed; vLLM computes the rest. Every such request returns `{"status": "applied" | "fallback_reprefill"
-| "unsupported", "reason": ..., "loaded_tokens": n}` in its `kv_transfer_params`, and the connector logs
-each status with running totals. A translated request gets its own `cache_salt`, so its blocks never serve an
+are computed; vLLM computes the rest. When the conversation returns to a model (both engines `kv_both`), the
+rows it held before come back from its own saved conversation untranslated and only the other model's new span
+is translated (segment-wise hand-off). Every such request returns `{"status": "applied" | "fallback_reprefill"
+| "unsupported", "reason": ..., "loaded_tokens": n, "reused_tokens": r, "translated_tokens": n - r}` in its
+`kv_transfer_params`, and the connector logs each status with running totals. A translated request gets its own `cache_salt`, so its blocks never serve an
 ordinary request from vLLM's prefix cache (and vice versa).
 
 Configure it with `vllm.config.KVTransferConfig(kv_connector="KvlingoConnector",
@@ -51,6 +53,7 @@ from infra.serving import (
     gate,
     model_skeleton,
     new_conversation_key,
+    own_rows,
     serve_translator,
     translate_rows,
 )
@@ -75,6 +78,7 @@ class _Load:
     start: int  # first prompt position to write
     end: int  # one past the last
     block_ids: list[int]
+    translate: bool  # False: this model's own saved rows, reused as they are
 
 
 @dataclass
@@ -82,6 +86,7 @@ class _Save:
     conversation: str
     token_ids: list[int]
     block_ids: list[int]
+    loaded: dict[str, Any] | None  # where its first rows came from (`ConversationStore.save`)
 
 
 @dataclass
@@ -150,8 +155,9 @@ class KvlingoConnector(KVConnectorBase_V1):
                 request.cache_salt = f"{salt}:{request.cache_salt}" if request.cache_salt else salt
                 request.block_hashes = []
                 request.update_block_hashes()
-        if self._producer and (state.decision is None or state.decision.status != APPLIED):
-            # A request that read translated K/V is not saved again: translated content is never re-translated.
+        if self._producer:
+            # Saved with its origin: the gate never translates its loaded rows again (they are reused by the
+            # model they came from, or re-prefilled).
             state.conversation = new_conversation_key()
             state.save_pending = True
         self._requests[request.request_id] = state
@@ -162,7 +168,7 @@ class KvlingoConnector(KVConnectorBase_V1):
             return Decision(UNSUPPORTED, "this engine's kvlingo connector is not a consumer (kv_role kv_producer)")
         try:
             key = check_conversation_key(source)
-            return gate(self._served, self._store.header(key), list(request.prompt_token_ids or []), key)
+            return gate(self._served, self._store.header, list(request.prompt_token_ids or []), key)
         except ServingError as err:
             return Decision(UNSUPPORTED, str(err))
 
@@ -187,13 +193,28 @@ class KvlingoConnector(KVConnectorBase_V1):
             if state is None or request is None:
                 continue
             if state.load is not None:
-                meta.loads.append(_Load(req_id, state.source, *state.load, self._block_ids(req_id)))
+                meta.loads.extend(self._loads(req_id, state))
                 state.load = None
             # num_computed_tokens is still the count before this step (vLLM updates it after building this).
             if state.save_pending and request.num_computed_tokens + n_scheduled >= request.num_prompt_tokens:
-                meta.saves.append(_Save(state.conversation, list(request.prompt_token_ids), self._block_ids(req_id)))
+                decision = state.decision
+                loaded = ({"conversation": state.source, "tokens": decision.n_load}
+                          if decision is not None and decision.status == APPLIED else None)
+                meta.saves.append(_Save(state.conversation, list(request.prompt_token_ids), self._block_ids(req_id),
+                                        loaded))
                 state.save_pending = False
         return meta
+
+    def _loads(self, req_id: str, state: _RequestState) -> list[_Load]:
+        """The rows [start, end) to write, split into this model's own reused rows and translated ones."""
+        start, end = state.load
+        decision, blocks = state.decision, self._block_ids(req_id)
+        loads = []
+        if decision.own is not None and start < decision.reused:
+            loads.append(_Load(req_id, decision.own, start, min(end, decision.reused), blocks, False))
+        if end > max(start, decision.reused):
+            loads.append(_Load(req_id, state.source, max(start, decision.reused), end, blocks, True))
+        return loads
 
     def _block_ids(self, req_id: str) -> list[int]:
         return list(self._kv_cache_manager.get_block_ids(req_id)[0])
@@ -209,7 +230,9 @@ class KvlingoConnector(KVConnectorBase_V1):
         if state.decision is not None:
             decision = state.decision
             self._counts[decision.status] += 1
-            params |= {"status": decision.status, "reason": decision.reason, "loaded_tokens": state.loaded_tokens}
+            reused = max(0, decision.reused - (decision.n_load - state.loaded_tokens))  # prefix-cache hits first
+            params |= {"status": decision.status, "reason": decision.reason, "loaded_tokens": state.loaded_tokens,
+                       "reused_tokens": reused, "translated_tokens": state.loaded_tokens - reused}
             totals = " ".join(f"{status}={self._counts[status]}" for status in STATUSES)
             logger.info("kvlingo request %s: %s (%s), loaded %d tokens [totals %s]", request.request_id,
                         decision.status, decision.reason, state.loaded_tokens, totals)
@@ -250,10 +273,13 @@ class KvlingoConnector(KVConnectorBase_V1):
                 self._load_errors |= set(load.block_ids[first:last + 1])
 
     def _load(self, load: _Load) -> None:
-        served = self._served
-        rows = self._store.load(load.conversation, served.translator.source_layers(), load.start, load.end)
         positions = torch.arange(load.start, load.end)
-        keys, values = translate_rows(served, rows, self._model, self._layout, positions)
+        if load.translate:
+            rows = self._store.load(load.conversation, self._served.translator.source_layers(), load.start, load.end)
+            keys, values = translate_rows(self._served, rows, self._model, self._layout, positions)
+        else:
+            rows = self._store.load(load.conversation, list(range(self._layout.n_layers)), load.start, load.end)
+            keys, values = own_rows(rows, self._model, self._layout, positions)
         slots = self._slots()
         for layer, cache in self._caches.items():
             slots.write(cache, load.block_ids, positions, keys[layer], values[layer])
@@ -276,7 +302,7 @@ class KvlingoConnector(KVConnectorBase_V1):
                 with torch.no_grad():
                     keys.append(apply_rope(self._model, self._layout, layer, k.float(), positions, inverse=True))
                 values.append(v)
-            self._store.save(save.conversation, keys, values, save.token_ids, self._signature)
+            self._store.save(save.conversation, keys, values, save.token_ids, self._signature, save.loaded)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

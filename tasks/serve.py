@@ -24,31 +24,65 @@ class EngineSpec:
 
 
 def plan_servers(source: str, target: str, translator: str, store: Path | None = None,
-                 max_prefix_tokens: int | None = None) -> tuple[EngineSpec, EngineSpec]:
-    """The producer (source) and consumer (target) engines.
+                 max_prefix_tokens: int | None = None,
+                 reverse_translator: str | None = None) -> tuple[EngineSpec, EngineSpec]:
+    """The source and target engines.
+
+    With `translator` only, the source engine is a producer (it saves every prompt's K/V) and the target a
+    consumer. With `reverse_translator` (TARGET → SOURCE) too, both engines save and load (`kv_both`), so a
+    conversation can switch back and forth; on a switch back, an engine reuses its own earlier rows and
+    translates only the span the other model wrote.
 
     Raises:
         ConfigError: a malformed translator reference or a bad max_prefix_tokens; UnknownModelError /
             ModelUnavailableError: a model that cannot be resolved; PairMismatchError: an artifact fitted for
             another pair, or the identity between different models; RegistryError: a URI naming nothing.
     """
-    from infra.serving import serve_translator
     from infra.zoo import load_model, model_signature
     from registry.translator_ref import parse_translator_ref
-    from translators.artifact import check_signature
-    from translators.errors import ConfigError, PairMismatchError
+    from translators.errors import ConfigError
 
-    ref = parse_translator_ref(translator)
+    forward = parse_translator_ref(translator)  # malformed references are reported before any model loads
+    backward = parse_translator_ref(reverse_translator) if reverse_translator is not None else None
     if max_prefix_tokens is not None and max_prefix_tokens < 1:
         raise ConfigError(f"--max-prefix-tokens must be positive, got {max_prefix_tokens}")
     src, tgt = load_model(source, device="cpu"), load_model(target, device="cpu")
     src_sig, tgt_sig = model_signature(src), model_signature(tgt)
+    path = _served_path(forward, src, tgt, src_sig, tgt_sig, max_prefix_tokens)
+    store = Path(store) if store is not None else kvlingo_home() / "serving" / "conversations"
+    extra = {"store": str(store)}
+    if max_prefix_tokens is not None:
+        extra["max_prefix_tokens"] = max_prefix_tokens
+    source_extra = {"store": str(store), "model_signature": src_sig}
+    source_role, target_role = "kv_producer", "kv_consumer"
+    if backward is not None:
+        reverse = _served_path(backward, tgt, src, tgt_sig, src_sig, max_prefix_tokens, "--reverse-translator")
+        source_extra = {**extra, "model_signature": src_sig, "translator": reverse}
+        source_role = target_role = "kv_both"
+    producer = EngineSpec(src.name, src.model.config._name_or_path, source_role, source_extra)
+    consumer = EngineSpec(tgt.name, tgt.model.config._name_or_path, target_role,
+                          {**extra, "model_signature": tgt_sig, "translator": path})
+    return producer, consumer
+
+
+def _served_path(ref, src, tgt, src_sig: dict, tgt_sig: dict, max_prefix_tokens: int | None,
+                 option: str = "--translator") -> str:
+    """A parsed translator reference (SRC → TGT) as the connector takes it: "identity" or a local artifact directory,
+    checked against the pair.
+
+    Raises:
+        ConfigError, PairMismatchError, RegistryError: see `plan_servers`.
+    """
+    from infra.serving import serve_translator
+    from translators.artifact import check_signature
+    from translators.errors import PairMismatchError
+
     if ref.kind == "identity":
         try:  # identity: the target reads its own model's cache
             check_signature(tgt_sig, src_sig, "source")
         except PairMismatchError as err:
-            raise PairMismatchError(f"--translator identity serves a model's cache to the same model, but {source!r} "
-                                    f"and {target!r} differ ({_which(err)}); "
+            raise PairMismatchError(f"{option} identity serves a model's cache to the same model, but {src.name!r} "
+                                    f"and {tgt.name!r} differ ({_which(err)}); "
                                     "give a translator fitted for the pair") from None
         path = "identity"
     elif ref.kind == "path":
@@ -60,15 +94,7 @@ def plan_servers(source: str, target: str, translator: str, store: Path | None =
         path = str(fetch_translator(ref.text, kvlingo_home() / "serving" / "translators" / safe))
     served = serve_translator(path, tgt.layout, tgt_sig, max_prefix_tokens)
     check_signature(served.source, src_sig, "source")
-    store = Path(store) if store is not None else kvlingo_home() / "serving" / "conversations"
-    extra = {"store": str(store)}
-    producer = EngineSpec(src.name, src.model.config._name_or_path, "kv_producer",
-                          {**extra, "model_signature": src_sig})
-    consumer_extra = {**extra, "model_signature": tgt_sig, "translator": path}
-    if max_prefix_tokens is not None:
-        consumer_extra["max_prefix_tokens"] = max_prefix_tokens
-    consumer = EngineSpec(tgt.name, tgt.model.config._name_or_path, "kv_consumer", consumer_extra)
-    return producer, consumer
+    return path
 
 
 def _which(err: Exception) -> str:

@@ -216,3 +216,70 @@ def test_an_artifact_translator_in_vllm_agrees_with_the_hf_switch_runtime(served
     # The maps were applied: the translated cache is not the native one.
     native = [o["token_ids"][:ARTIFACT_TOKENS] for o in served["ordinary"][:N_ARTIFACT]]
     assert any(out["token_ids"] != nat for out, nat in zip(outputs, native))
+
+
+N_SEGMENT = 3
+
+
+@pytest.fixture(scope="module")
+def segment_run(served):
+    """A conversation A → B → A across engines, both `kv_both`: turn 1 is the producer's (A), engine B serves a
+    noisy translator and starts turn 2 from A's conversation, engine A (identity) starts turn 3 from B's."""
+    from translators.artifact import save_translator
+    from translators.translator import Translator
+
+    loaded, store, sig = served["loaded"], served["store"], served["signature"]
+    n, d = loaded.layout.n_layers, loaded.layout.kv_width
+    noisy = Translator({o: {t: (t,) for t in range(n)} for o in ("keys", "values")}, d, d, "post_norm")
+    g = torch.Generator().manual_seed(1)
+    for p in noisy.maps.values():
+        p.data.copy_(torch.eye(d) + 0.2 * torch.randn(d, d, generator=g) / d ** 0.5)
+    artifact = save_translator(noisy, served["tmp"] / "segment-noisy", source=sig, target=sig, fit={})
+    user = loaded.tokenizer("<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n",
+                            add_special_tokens=False).input_ids
+
+    def turn(engine, translator, prompts, sources):
+        items = [{"prompt_token_ids": p, "kv_transfer_params": {"source_conversation": k}}
+                 for p, k in zip(prompts, sources)]
+        out, _ = _run_engine({"model": served["model_dir"], "kv_role": "kv_both",
+                              "extra_config": {"store": str(store), "model_signature": sig, "translator": translator},
+                              "max_tokens": MAX_TOKENS, "phases": [items]}, served["tmp"], engine)
+        return out["phases"][0]
+
+    turn1, keys1 = served["prompts"][:N_SEGMENT], served["keys"][:N_SEGMENT]
+    turn2 = [p + out["token_ids"] + user for p, out in zip(turn1, served["produced"])]
+    on_b = turn("segment-b", str(artifact), turn2, keys1)
+    keys2 = [out["kv_transfer_params"]["conversation"] for out in on_b]
+    turn3 = [p + out["token_ids"] + user for p, out in zip(turn2, on_b)]
+    on_a = turn("segment-a", "identity", turn3, keys2)
+    keys3 = [out["kv_transfer_params"]["conversation"] for out in on_a]
+    return {"turns": (turn1, turn2, turn3), "keys": (keys1, keys2, keys3), "on_b": on_b, "on_a": on_a}
+
+
+def test_a_returning_conversation_reuses_its_own_rows_and_translates_only_the_new_span(served, segment_run):
+    from infra.serving import ConversationStore
+
+    store = ConversationStore(served["store"])
+    layers = list(range(served["loaded"].layout.n_layers))
+    (turn1, turn2, turn3), (keys1, keys2, keys3) = segment_run["turns"], segment_run["keys"]
+    for i in range(N_SEGMENT):
+        n1, n2 = len(turn1[i]), len(turn2[i])
+        to_b = segment_run["on_b"][i]["kv_transfer_params"]
+        assert (to_b["status"], to_b["reused_tokens"], to_b["translated_tokens"]) == ("applied", 0, n1), to_b
+        back = segment_run["on_a"][i]["kv_transfer_params"]
+        assert back["status"] == "applied", back
+        assert (back["reused_tokens"], back["translated_tokens"]) == (n1, n2 - n1), back
+        assert f"{n1} reused from this model's conversation {keys1[i]}" in back["reason"]
+        assert store.header(keys2[i])["loaded"] == {"conversation": keys1[i], "tokens": n1}
+        assert store.header(keys3[i])["loaded"] == {"conversation": keys2[i], "tokens": n2}
+        # What engine A held after the switch back (its own saved turn-3 prompt): its own turn-1 rows, exactly,
+        # then B's rows of B's span; not B's noisy translation of turn 1.
+        first = store.load(keys1[i], layers, 0, n1)
+        on_b = store.load(keys2[i], layers, 0, n2)
+        held = store.load(keys3[i], layers, 0, n2)
+        for kind in ("keys", "values"):
+            for layer in layers:
+                scale = first[kind][layer].abs().max()
+                assert (held[kind][layer][:n1] - first[kind][layer]).abs().max() <= 1e-4 * scale, (i, kind, layer)
+                assert (held[kind][layer][n1:] - on_b[kind][layer][n1:]).abs().max() <= 1e-4 * scale
+            assert (on_b[kind][0][:n1] - first[kind][0]).abs().max() > 1e-2 * first[kind][0].abs().max()

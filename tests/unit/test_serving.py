@@ -15,6 +15,7 @@ from infra.serving import (
     gate,
     model_skeleton,
     new_conversation_key,
+    own_rows,
     serve_translator,
     translate_rows,
 )
@@ -93,17 +94,17 @@ def test_gate_statuses(llama, tmp_path):
     served = serve_translator("identity", layout, sig, max_prefix_tokens=20)
     header = {"token_ids": list(range(30)), "source": sig}
     prompt = list(range(12)) + [99, 98]
-    decision = gate(served, header, prompt, "k")
+    decision = gate(served, {"k": header}.get, prompt, "k")
     assert (decision.status, decision.n_load) == (APPLIED, 12)  # the common prefix
-    assert gate(served, header, list(range(8)), "k").n_load == 7  # the prompt's last token stays with the engine
-    long = gate(served, header, list(range(25)), "k")
+    assert gate(served, {"k": header}.get, list(range(8)), "k").n_load == 7  # the prompt's last token stays with the engine
+    long = gate(served, {"k": header}.get, list(range(25)), "k")
     assert (long.status, long.n_load) == (FALLBACK, 0)
     assert "24 tokens exceeds the translator's envelope of 20 tokens" in long.reason
-    missing = gate(served, None, prompt, "k")
+    missing = gate(served, {}.get, prompt, "k")
     assert missing.status == FALLBACK and "not in the store" in missing.reason
-    other = gate(served, {**header, "source": signature(layout, "other")}, prompt, "k")
+    other = gate(served, {"k": {**header, "source": signature(layout, "other")}}.get, prompt, "k")
     assert other.status == FALLBACK and "source.name is \"m\" in the artifact but \"other\"" in other.reason
-    assert gate(served, {**header, "token_ids": [5, 6]}, prompt, "k").status == FALLBACK
+    assert gate(served, {"k": {**header, "token_ids": [5, 6]}}.get, prompt, "k").status == FALLBACK
 
 
 def test_gate_refuses_what_cannot_be_served_exactly(qwen3, llama, tmp_path):
@@ -115,7 +116,7 @@ def test_gate_refuses_what_cannot_be_served_exactly(qwen3, llama, tmp_path):
         translator.point = point
         art = save_translator(translator, tmp_path / point, source=sig, target=sig, fit={})
         served = serve_translator(str(art), layout, sig)
-        decision = gate(served, {"token_ids": [1, 2, 3], "source": sig}, [1, 2, 3], "k")
+        decision = gate(served, {"k": {"token_ids": [1, 2, 3], "source": sig}}.get, [1, 2, 3], "k")
         assert decision.status == UNSUPPORTED and words in decision.reason
     # A source without key norm: pre_norm is the same point as post_norm, served.
     _, llama_layout = llama
@@ -124,13 +125,66 @@ def test_gate_refuses_what_cannot_be_served_exactly(qwen3, llama, tmp_path):
                           fit={"config": {"max_prefix_tokens": 64}})
     served = serve_translator(str(art), llama_layout, lsig, max_prefix_tokens=100)
     assert served.envelope == 64 and served.identity != "identity"
-    assert gate(served, {"token_ids": [1, 2, 3], "source": lsig}, [1, 2, 3], "k").status == APPLIED
+    assert gate(served, {"k": {"token_ids": [1, 2, 3], "source": lsig}}.get, [1, 2, 3], "k").status == APPLIED
     with pytest.raises(PairMismatchError, match="target"):
         serve_translator(str(art), llama_layout, signature(llama_layout, "another"))
     with pytest.raises(ServingError, match="resolve registry references"):
         serve_translator("models:/pair@champion", llama_layout, lsig)
     with pytest.raises(ServingError, match="neither 'identity' nor an artifact"):
         serve_translator(str(tmp_path / "nope"), llama_layout, lsig)
+
+
+def test_gate_reuses_the_models_own_rows_when_a_conversation_returns(llama, tmp_path):
+    """A → B → A: B's conversation started from A's; A reuses its own rows and translates only B's span."""
+    _, layout = llama
+    a, b = signature(layout, "a"), signature(layout, "b")
+    art = save_translator(noisy_identity(layout), tmp_path / "b-to-a", source=b, target=a, fit={})
+    served = serve_translator(str(art), layout, a)  # engine A, serving B → A
+    mine, theirs, third = new_conversation_key(), new_conversation_key(), new_conversation_key()
+    turn1 = list(range(10))
+    turn2 = turn1 + list(range(50, 58))
+    headers = {mine: {"token_ids": turn1, "source": a, "loaded": None},
+               theirs: {"token_ids": turn2, "source": b, "loaded": {"conversation": mine, "tokens": 9}}}
+    turn3 = turn2 + [70, 71, 72]
+    decision = gate(served, headers.get, turn3, theirs)
+    assert (decision.status, decision.n_load, decision.reused, decision.own) == (APPLIED, 18, 9, mine)
+    assert f"9 reused from this model's conversation {mine}, 9 translated" in decision.reason
+    # A prompt that stops inside the reused rows loads only own rows.
+    short = gate(served, headers.get, turn1[:6], theirs)
+    assert (short.n_load, short.reused) == (5, 5)
+    # B's conversation without an origin: everything is translated.
+    plain = gate(served, {theirs: {**headers[theirs], "loaded": None}}.get, turn3, theirs)
+    assert (plain.status, plain.n_load, plain.reused, plain.own) == (APPLIED, 18, 0, None)
+    # Origins that are not this model's rows: a translation is never translated again.
+    cases = {"is gone": {},
+             "is another model's": {mine: {"token_ids": turn1, "source": signature(layout, "c")}},
+             "holds other tokens": {mine: {"token_ids": [9] * 10, "source": a}}}
+    for words, extra in cases.items():
+        decision = gate(served, {theirs: headers[theirs], third: {}, **extra}.get, turn3, theirs)
+        assert decision.status == FALLBACK and words in decision.reason, (words, decision)
+        assert "not translated again" in decision.reason
+    bad = {theirs: {**headers[theirs], "loaded": {"conversation": mine, "tokens": "9"}}}
+    assert gate(served, bad.get, turn3, theirs).status == FALLBACK
+    with pytest.raises(ServingError, match="malformed conversation key"):
+        gate(served, {theirs: {**headers[theirs], "loaded": {"conversation": "../x", "tokens": 9}}}.get, turn3,
+             theirs)
+
+
+def test_own_rows_are_the_engine_keys_of_the_saved_rows(llama, tmp_path):
+    model, layout = llama
+    ids = torch.arange(5, 30)
+    post_norm = capture(model, layout, ids, "post_norm")
+    post_rope = capture(model, layout, ids, "post_rope")
+    store = ConversationStore(tmp_path)
+    key = new_conversation_key()
+    origin = {"conversation": new_conversation_key(), "tokens": 3}
+    store.save(key, post_norm.keys, post_norm.values, ids.tolist(), signature(layout), origin)
+    assert store.header(key)["loaded"] == origin
+    rows = store.load(key, list(range(layout.n_layers)), 4, 9)
+    keys, values = own_rows(rows, model, layout, torch.arange(4, 9))
+    for layer in range(layout.n_layers):
+        torch.testing.assert_close(keys[layer], post_rope.keys[layer][4:9], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values[layer], post_rope.values[layer][4:9], rtol=0, atol=0)
 
 
 def test_translate_rows_writes_the_engine_keys(llama):
@@ -171,3 +225,14 @@ def test_plan_servers_checks_the_pair_before_any_engine(tmp_path):
     assert check_served_config(consumer.extra, consumer=True) and check_served_config(producer.extra, consumer=False)
     with pytest.raises(ConfigError, match="not a valid registry URI"):
         plan_servers(str(llama), str(llama), "models:/x", store=tmp_path / "store")
+    with pytest.raises(ConfigError, match="not a valid registry URI"):
+        plan_servers(str(llama), str(llama), "identity", store=tmp_path / "store", reverse_translator="models:/x")
+    # Both directions: both engines save and load, each serving the translator into its own model.
+    sig = producer.extra["model_signature"]
+    layout = cache_layout(tiny_model("llama", seed=1))
+    art = save_translator(noisy_identity(layout), tmp_path / "back", source=sig, target=sig, fit={})
+    there, back = plan_servers(str(llama), str(llama), "identity", store=tmp_path / "store",
+                               reverse_translator=str(art))
+    assert (there.kv_role, back.kv_role) == ("kv_both", "kv_both")
+    assert there.extra["translator"] == str(art.resolve()) and back.extra["translator"] == "identity"
+    assert check_served_config(there.extra, consumer=True)
