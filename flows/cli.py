@@ -139,6 +139,8 @@ def fit(
     seed: Annotated[int | None, typer.Option(help="seed for sampling and controls")] = None,
     steps: Annotated[int | None, typer.Option(help="stage-2 optimizer steps")] = None,
     lr: Annotated[float | None, typer.Option(help="stage-2 learning rate")] = None,
+    n_select: Annotated[int | None, typer.Option(help="training conversations held out from stage 2 to choose the "
+                                                      "checkpoint it returns (0: the last step)")] = None,
     workers: Annotated[int | None, typer.Option(help="Ray workers for stage-1 statistics and stage 2 (1: one process)")] = None,
     gpu: Annotated[bool | None, typer.Option("--gpu/--no-gpu", help="one GPU per Ray Train worker (nccl); needs "
                    "--workers > 1 and CUDA")] = None,
@@ -165,7 +167,7 @@ def fit(
     overrides = dict(
         source=source, target=target, stage1_only=stage1_only or None, assignment=assignment, nu=nu, point=point,
         ridge=ridge, head_wise=head_wise, weighting=weighting, token_identity=token_identity, data=data, n_train=n_train, stats_samples=stats_samples, n_val=n_val, seed=seed, output_dir=output_dir,
-        steps=steps, lr=lr, workers=workers, gpu=gpu, ray_address=ray_address, resume=resume,
+        steps=steps, lr=lr, n_select=n_select, workers=workers, gpu=gpu, ray_address=ray_address, resume=resume,
     )
     try:
         overrides["seeds"] = parse_seeds(seeds) if seeds is not None else None

@@ -12,6 +12,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -484,7 +485,14 @@ def distill(
     out = Path(cell_dir) if cell_dir else plan.out
     src, tgt = plan.sides
     fields = plan.stage2_fields(config)
-    distilled, history = _stage2(config, closed_form, src, tgt, plan.train, plan.val_pairs, fields, out)
+    n_select = selection_size(config)
+    train = plan.train[:len(plan.train) - n_select]
+    distilled, history = _stage2(config, closed_form, src, tgt, train, plan.val_pairs, fields, out)
+    selection = {}
+    if n_select:
+        select = model_inputs(plan.train[len(plan.train) - n_select:])
+        distilled, selection = best_checkpoint(distilled, closed_form, out / "checkpoints",
+                                               lambda t: validation_kl(src, tgt, select, t).mean)
     final = validation_kl(src, tgt, plan.val_pairs, distilled)
     quality = record_quality(src, tgt, plan.val_pairs, distilled)
     summary = {**summary}
@@ -492,6 +500,7 @@ def distill(
     summary["val_kl"] = {**summary["val_kl"], "distilled": final.mean}
     summary["val_kl_se"] = {**summary["val_kl_se"], "distilled": final.se}
     summary["first_token_kl"] = {**summary["first_token_kl"], "distilled": final.first_token}
+    summary["selection"] = selection
     summary.update(stage="distilled", steps=config.steps, lr=config.lr, seed=config.seed, history=history,
                    artifact=str(out / "distilled"), run_dir=str(out), fingerprint=fingerprint(fields))
     summary["artifacts"] = {**summary["artifacts"], "distilled": str(out / "distilled")}
@@ -500,10 +509,50 @@ def distill(
         out / "distilled",
         **plan.signatures,
         fit={"stage": "distilled", "config": config.model_dump(mode="json"), "val_kl": summary["val_kl"], "steps": config.steps,
-             "lr": config.lr, "fingerprint": fingerprint(fields), "data_manifest": plan.data_manifest,
+             "lr": config.lr, "selected_step": selection.get("step"), "fingerprint": fingerprint(fields),
+             "data_manifest": plan.data_manifest,
              "quality": quality, **({"alignment": summary["alignment"]} if "alignment" in summary else {})},
     )
     return distilled, summary
+
+
+# Fewer selection conversations than this choose nothing: stage 2 returns its last step. On a handful of
+# conversations the choice follows their noise, and ties with the closed form would decide sweeps.
+MIN_SELECTION = 8
+
+
+def selection_size(config: FitConfig) -> int:
+    """How many training conversations choose stage 2's checkpoint: n_select, at most a tenth of n_train, and
+    none below MIN_SELECTION."""
+    n = min(config.n_select, config.n_train // 10)
+    return n if n >= MIN_SELECTION else 0
+
+
+def best_checkpoint(last, closed_form, checkpoints: Path, score: Callable[[Any], float]) -> tuple[Any, dict[str, Any]]:
+    """The translator of lowest `score` among the closed form (step 0) and stage 2's saved checkpoints.
+
+    Args:
+        last: the translator stage 2 ended with (a copy with the chosen checkpoint's maps is returned).
+        score: KL on the selection conversations (held out from stage 2, disjoint from validation).
+    Returns:
+        (translator, {"step": the chosen step, "kl": {step: score}}); ties go to the earlier step.
+    """
+    import copy
+
+    from safetensors.torch import load_file
+
+    def at(step: int):
+        if step == 0:
+            return copy.deepcopy(closed_form)
+        translator = copy.deepcopy(last)
+        for name, weight in load_file(str(checkpoints / f"step_{step:06d}" / "translator.safetensors")).items():
+            translator.maps[name].data.copy_(weight)
+        return translator
+
+    steps = [0] + sorted(int(d.name.removeprefix("step_")) for d in checkpoints.glob("step_*"))
+    scores = {step: score(at(step)) for step in steps}  # one candidate in memory at a time
+    chosen = min(steps, key=lambda step: scores[step])
+    return at(chosen), {"step": chosen, "kl": {str(k): v for k, v in scores.items()}}
 
 
 def distill_on_ray(plan: FitPlan, closed_form, summary: dict[str, Any], *, lr: float | None = None,
