@@ -31,6 +31,7 @@ from safetensors.torch import save
 from translators.artifact import check_signature, load_translator, replace_file
 from translators.errors import ConfigError, KvlingoError, PairMismatchError
 from translators.layout import CacheLayout, cache_layout, decoder_of
+from translators.quality import quality_verdict
 from translators.switch import identity_translator
 from translators.translator import Translator
 
@@ -178,6 +179,9 @@ class ServedTranslator:
     the path of a translator artifact (`models:/NAME@ALIAS` is resolved to a path by the CLI, where the
     registry lives). `envelope` is the longest prefix, in tokens, the translator is served for: the fit's
     max_prefix_tokens, capped by the engine's `max_prefix_tokens` setting; None: no limit below the model's.
+    `quality` is the artifact's recorded quality (manifest fit.quality, `translators.quality`): per prefix-length
+    bucket, how faithfully the target reads the translated cache, and the calibrated floor the gate holds it to;
+    None for identity (exact) and for artifacts fitted before quality records existed.
     """
 
     ref: str
@@ -186,6 +190,7 @@ class ServedTranslator:
     source: dict[str, Any] | None  # the source signature the artifact records (identity: the target's own)
     envelope: int | None
     target: dict[str, Any]  # the signature of the model this engine serves (its own saved conversations carry it)
+    quality: dict[str, Any] | None = None
 
 
 def serve_translator(ref: str, target_layout: CacheLayout, target_signature: dict[str, Any],
@@ -211,7 +216,8 @@ def serve_translator(ref: str, target_layout: CacheLayout, target_signature: dic
     fitted = (manifest.get("fit") or {}).get("config", {}).get("max_prefix_tokens")
     limits = [n for n in (fitted, max_prefix_tokens) if isinstance(n, int)]
     return ServedTranslator(ref, translator, manifest["weights_sha256"], manifest["pair"]["source"],
-                            min(limits) if limits else None, target_signature)
+                            min(limits) if limits else None, target_signature,
+                            (manifest.get("fit") or {}).get("quality"))
 
 
 @dataclass(frozen=True)
@@ -249,8 +255,9 @@ def gate(served: ServedTranslator, header_of: Callable[[str], dict[str, Any] | N
         prompt's last token for the engine). If the source conversation itself started from a conversation this
         model saved (the conversation returns to it), that conversation's rows are reused and only the rest is
         translated. fallback_reprefill: the engine prefills as if no conversation was named (missing
-        conversation, pair mismatch, prefix over the envelope, nothing in common, a source whose prefix was
-        translated from a third model's conversation). unsupported: what this connector cannot serve exactly
+        conversation, pair mismatch, prefix over the envelope, nothing in common, a recorded quality below the
+        translator's calibrated floor for a prefix of that length or no quality measured at that length, a source
+        whose prefix was translated from a third model's conversation). unsupported: what this connector cannot serve exactly
         (the reason says what to change).
     Raises:
         ServingError: from `header_of`, for a malformed key or a file that is not a conversation.
@@ -283,6 +290,11 @@ def gate(served: ServedTranslator, header_of: Callable[[str], dict[str, Any] | N
     if served.envelope is not None and n_load > served.envelope:
         return Decision(FALLBACK, f"the prefix of {n_load} tokens exceeds the translator's envelope of "
                                   f"{served.envelope} tokens")
+    # The floor was calibrated on whole translated prefixes of n_load tokens; a returning conversation translates
+    # fewer (its own rows are reused), so holding it to the same bucket is conservative.
+    below_floor = quality_verdict(served.quality, n_load)
+    if below_floor is not None:
+        return Decision(FALLBACK, below_floor)
     reused, own = _own_rows(served, header_of, header, prompt, n_load)
     if isinstance(own, Decision):
         return own

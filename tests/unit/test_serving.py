@@ -170,6 +170,39 @@ def test_gate_reuses_the_models_own_rows_when_a_conversation_returns(llama, tmp_
              theirs)
 
 
+
+def test_gate_holds_the_recorded_quality_to_its_calibrated_floor(llama, tmp_path):
+    """The artifact's fit.quality record decides per prefix-length bucket, before anything loads: a bucket whose
+    recorded cosine is below the floor falls back with the numbers, so does a prefix longer than every measured
+    one; an artifact without a record (fitted before records existed) and identity are served."""
+    _, layout = llama
+    sig = signature(layout)
+    quality = {"metric": "attention_output_cosine", "floor": 0.95,
+               "buckets": [{"max_tokens": 8, "n": 3, "cosine": 0.99, "agreement": 0.97},
+                           {"max_tokens": 16, "n": 2, "cosine": 0.90, "agreement": 0.60},
+                           {"max_tokens": 32, "n": 2, "cosine": 0.96, "agreement": 0.92}]}
+    art = save_translator(noisy_identity(layout), tmp_path / "rated", source=sig, target=sig,
+                          fit={"quality": quality})
+    served = serve_translator(str(art), layout, sig)
+    assert served.quality == quality
+    header = {"token_ids": list(range(60)), "source": sig}
+
+    def decide(n_prompt):
+        return gate(served, {"k": header}.get, list(range(n_prompt)), "k")
+
+    assert (decide(9).status, decide(9).n_load) == (APPLIED, 8)  # bucket ≤ 8: 0.99 ≥ 0.95
+    low = decide(10)  # 9 tokens to load: bucket ≤ 16, 0.90 < 0.95
+    assert (low.status, low.n_load) == (FALLBACK, 0)
+    assert "up to 16 tokens is 0.9000, below the floor 0.9500" in low.reason
+    assert decide(33).status == APPLIED  # 32 tokens: bucket ≤ 32, 0.96
+    beyond = decide(34)
+    assert beyond.status == FALLBACK and "longer than every held-out prefix" in beyond.reason
+    unrated = save_translator(noisy_identity(layout), tmp_path / "unrated", source=sig, target=sig, fit={})
+    assert gate(serve_translator(str(unrated), layout, sig), {"k": header}.get, list(range(50)), "k").status == APPLIED
+    identity = serve_translator("identity", layout, sig)
+    assert identity.quality is None
+    assert gate(identity, {"k": header}.get, list(range(50)), "k").status == APPLIED
+
 def test_own_rows_are_the_engine_keys_of_the_saved_rows(llama, tmp_path):
     model, layout = llama
     ids = torch.arange(5, 30)
