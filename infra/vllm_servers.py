@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -20,6 +21,11 @@ from infra.serving import ServingError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONNECTOR = {"kv_connector": "KvlingoConnector", "kv_connector_module_path": "infra.vllm_connector"}
+# Without it vLLM's CPU backend reserves 92% of the NUMA node's memory for the KV cache and refuses to start when
+# other processes already hold part of it (a second engine always does). 2 GiB holds about 46k SmolLM2-135M
+# tokens in fp32 (46 KB each); an exported value wins. GPU backends ignore it.
+ENGINE_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+_ERROR_LINE = re.compile(r"\b[A-Za-z_.]*(Error|Exception): .+")
 
 
 def serve_python() -> Path:
@@ -32,6 +38,23 @@ def serve_python() -> Path:
     if not python.is_file():
         raise ServingError(f"the serving venv is missing ({python}): build it with `bash infra/bootstrap.sh --serve`")
     return python
+
+
+def engine_env() -> dict[str, str]:
+    """The environment an engine runs in: this one, kvlingo on PYTHONPATH, and ENGINE_ENV_DEFAULTS where unset."""
+    return {**ENGINE_ENV_DEFAULTS, **os.environ,
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def engine_errors(log: str) -> str:
+    """The distinct error lines of an engine's output, first seen first: vLLM's root cause is raised in a worker
+    process and is buried far above the traceback that ends the log."""
+    seen: dict[str, None] = {}
+    for line in log.splitlines():
+        found = _ERROR_LINE.search(line)
+        if found:
+            seen.setdefault(found.group(0).strip())
+    return "\n".join(seen)
 
 
 @dataclass
@@ -55,9 +78,9 @@ def start_server(python: Path, model_dir: str, name: str, port: int, kv_role: st
                  log: Path) -> Server:
     """Start one server in its own process group (stdout and stderr to `log`); returns at once."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log, "ab") as out:
-        process = subprocess.Popen(server_command(python, model_dir, name, port, kv_role, extra), cwd=ROOT, env=env,
+        process = subprocess.Popen(server_command(python, model_dir, name, port, kv_role, extra), cwd=ROOT,
+                                   env=engine_env(),
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return Server(name, f"http://127.0.0.1:{port}/v1", process, log)
 
@@ -75,8 +98,9 @@ def wait_ready(servers: list[Server], timeout_s: float = 600) -> None:
     while waiting:
         for server in list(waiting):
             if server.process.poll() is not None:
+                errors = engine_errors(server.log.read_text(errors="replace")) if server.log.is_file() else ""
                 raise ServingError(f"the {server.name} server exited with code {server.process.returncode}; "
-                                   f"its log ({server.log}) ends:\n{tail(server.log)}")
+                                   f"errors in its log ({server.log}):\n{errors or tail(server.log)}")
             try:
                 if httpx.get(f"{server.url}/models", timeout=2).status_code == 200:
                     waiting.remove(server)

@@ -10,7 +10,6 @@ A short warm-up pair runs first so one-time costs (the connector's first load) a
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -67,12 +66,13 @@ def run_serve_bench(source: str, target: str, lengths: list[int], translator: st
 
 def _run(python: Path, root: Path, tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     from infra.serving import ServingError
+    from infra.vllm_servers import engine_env, engine_errors
 
     spec_path, out_path = tmp / f"{name}.json", tmp / f"{name}-out.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([str(python), "-m", "infra.vllm_run", str(spec_path), str(out_path)], cwd=root, env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run([str(python), "-m", "infra.vllm_run", str(spec_path), str(out_path)], cwd=root,
+                          env=engine_env(), capture_output=True, text=True)
     if done.returncode != 0:
-        raise ServingError(f"the {name} engine failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        errors = engine_errors(done.stderr + done.stdout)
+        raise ServingError(f"the {name} engine failed (exit {done.returncode}):\n{errors or done.stderr[-3000:]}")
     return json.loads(out_path.read_text())

@@ -1,0 +1,45 @@
+"""How kvlingo starts vLLM engines (infra.vllm_servers), without vLLM: their environment and the error a user sees
+when one fails to start."""
+
+import json
+
+from infra.vllm_servers import ENGINE_ENV_DEFAULTS, ROOT, engine_env, engine_errors, server_command
+
+
+def test_engine_env_bounds_the_cpu_kv_cache_unless_the_user_set_it(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = engine_env()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == ENGINE_ENV_DEFAULTS["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["PYTHONPATH"].split(":") == [str(ROOT), "/elsewhere"]  # the connector module resolves
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    assert engine_env()["VLLM_CPU_KVCACHE_SPACE"] == "8"
+
+
+def test_engine_errors_surface_the_worker_root_cause_once():
+    """The shape of vLLM 0.32's start-up failure: the worker's ValueError far above the engine's RuntimeError."""
+    log = "\n".join([
+        "INFO 12-02 01:38:24 [core.py:133] Initializing a V1 LLM engine",
+        "(VllmWorker-0 pid=7438) ERROR 12-02 01:38:34 [multiproc_executor.py:953] WorkerProc failed to start.",
+        "(VllmWorker-0 pid=7438) ERROR 12-02 01:38:34 [multiproc_executor.py:953] ValueError: Available memory on "
+        "node 0 (10.36/12.09 GiB) on startup is less than desired CPU memory utilization (0.92, 11.12 GiB).",
+        "(VllmWorker-0 pid=7438) ERROR 12-02 01:38:35 [multiproc_executor.py:953] ValueError: Available memory on "
+        "node 0 (10.36/12.09 GiB) on startup is less than desired CPU memory utilization (0.92, 11.12 GiB).",
+        *["    frame"] * 200,
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}",
+    ])
+    assert engine_errors(log).splitlines() == [
+        "ValueError: Available memory on node 0 (10.36/12.09 GiB) on startup is less than desired CPU memory "
+        "utilization (0.92, 11.12 GiB).",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}",
+    ]
+    assert engine_errors("INFO all good\nWARNING slow") == ""
+
+
+def test_server_command_names_the_connector_and_binds_localhost(tmp_path):
+    command = server_command(tmp_path / "python", "/models/m", "m", 8123, "kv_consumer", {"store": "/s"})
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert command[command.index("--host") + 1] == "127.0.0.1" and command[command.index("--port") + 1] == "8123"
+    config = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert config == {"kv_connector": "KvlingoConnector", "kv_connector_module_path": "infra.vllm_connector",
+                      "kv_role": "kv_consumer", "kv_connector_extra_config": {"store": "/s"}}
