@@ -63,6 +63,7 @@ class Server:
     url: str  # http://127.0.0.1:PORT/v1
     process: subprocess.Popen
     log: Path
+    log_start: int = 0  # the log's size when this server started (logs are appended to across runs)
 
 
 def server_command(python: Path, model_dir: str, name: str, port: int, kv_role: str,
@@ -78,11 +79,12 @@ def start_server(python: Path, model_dir: str, name: str, port: int, kv_role: st
                  log: Path) -> Server:
     """Start one server in its own process group (stdout and stderr to `log`); returns at once."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    start = log.stat().st_size if log.is_file() else 0
     with open(log, "ab") as out:
         process = subprocess.Popen(server_command(python, model_dir, name, port, kv_role, extra), cwd=ROOT,
                                    env=engine_env(),
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return Server(name, f"http://127.0.0.1:{port}/v1", process, log)
+    return Server(name, f"http://127.0.0.1:{port}/v1", process, log, start)
 
 
 def wait_ready(servers: list[Server], timeout_s: float = 600) -> None:
@@ -98,7 +100,7 @@ def wait_ready(servers: list[Server], timeout_s: float = 600) -> None:
     while waiting:
         for server in list(waiting):
             if server.process.poll() is not None:
-                errors = engine_errors(server.log.read_text(errors="replace")) if server.log.is_file() else ""
+                errors = engine_errors(this_run(server))
                 raise ServingError(f"the {server.name} server exited with code {server.process.returncode}; "
                                    f"errors in its log ({server.log}):\n{errors or tail(server.log)}")
             try:
@@ -125,6 +127,16 @@ def stop_servers(servers: list[Server], grace_s: float = 30) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(server.process.pid, signal.SIGKILL)
             server.process.wait()
+
+
+def this_run(server: Server) -> str:
+    """What the server wrote to its log since it started ("" if the log cannot be read)."""
+    try:
+        with open(server.log, "rb") as f:
+            f.seek(server.log_start)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def tail(path: Path, n: int = 20) -> str:

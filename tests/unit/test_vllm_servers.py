@@ -3,7 +3,18 @@ when one fails to start."""
 
 import json
 
-from infra.vllm_servers import ENGINE_ENV_DEFAULTS, ROOT, engine_env, engine_errors, server_command
+import pytest
+
+from infra.serving import ServingError
+from infra.vllm_servers import (
+    ENGINE_ENV_DEFAULTS,
+    ROOT,
+    engine_env,
+    engine_errors,
+    server_command,
+    start_server,
+    wait_ready,
+)
 
 
 def test_engine_env_bounds_the_cpu_kv_cache_unless_the_user_set_it(monkeypatch):
@@ -43,3 +54,24 @@ def test_server_command_names_the_connector_and_binds_localhost(tmp_path):
     config = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert config == {"kv_connector": "KvlingoConnector", "kv_connector_module_path": "infra.vllm_connector",
                       "kv_role": "kv_consumer", "kv_connector_extra_config": {"store": "/s"}}
+
+
+def test_a_server_that_exits_is_reported_with_the_errors_of_its_own_run(tmp_path):
+    """The log is appended to across runs: an earlier run's error is not this run's. A shell script stands in for
+    the serving venv's python (it fails the way vLLM does at start-up)."""
+    earlier = "ValueError: an earlier run's failure\n"
+    log = tmp_path / "logs" / "kv_consumer-8101.log"
+    log.parent.mkdir()
+    log.write_text(earlier)
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'INFO starting'\n"
+                      "echo '(VllmWorker-0) ERROR ValueError: Available memory on node 0 is less than desired' >&2\n"
+                      "exit 3\n")
+    python.chmod(0o755)
+    server = start_server(python, "/models/m", "m", 8101, "kv_consumer", {}, log)
+    assert server.log_start == len(earlier)
+    with pytest.raises(ServingError) as err:
+        wait_ready([server], timeout_s=30)
+    message = str(err.value)
+    assert "exited with code 3" in message and "ValueError: Available memory on node 0" in message
+    assert "earlier run" not in message
