@@ -32,14 +32,17 @@ def _samples(tokenizer, count: int, seed: int):
 
 def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: int = 60, ridge_kv: float = 1e-4,
                ridge_state: float = 1e-3, passes: int = 2, distill_steps: int = 0, distill_lr: float = 1e-3,
-               progress: bool = False) -> dict:
+               recompute: Sequence[int] = (), progress: bool = False) -> dict:
     """Fit and score the three state strategies for one direction; returns the report dict (JSON-able).
 
     ``distill_steps`` > 0 adds ``distilled``: stage 2 (`translators.hybrid.distill_hybrid`, batches of 4 fit
-    conversations) from the ``selected`` translator, trained and scored on a copy.
+    conversations) from the ``selected`` translator, trained and scored on a copy. Each k in ``recompute`` adds a
+    row of the DroidSpeak baseline (`translators.partial_recompute`): the target recomputes its first k layers and
+    reads the ``copy`` translator's objects in the rest, with the share of its prefill compute that costs.
 
     Raises:
-        ConfigError: unknown model names, or models without the same state geometry (copy needs it).
+        ConfigError: unknown model names, models without the same state geometry (copy needs it), or a recompute
+            depth outside [1, the target's layers] (checked before anything is fitted).
     """
     from infra.gdn_models import load_gdn_model
     from translators.hybrid import (
@@ -51,13 +54,19 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         select_corrections,
         strategies_for,
     )
+    from translators.errors import ConfigError
     from translators.layout import cache_layout
+    from translators.partial_recompute import compute_fraction
     from translators.states import COPY, CORRECTED, STRATEGIES, StateMaps, read_metric
 
     started = time.perf_counter()
     source_model, tokenizer = load_gdn_model(source_name, progress=progress)
     target_model, _ = load_gdn_model(target_name, progress=progress)
     source, target = cache_layout(source_model), cache_layout(target_model)
+    bad = [k for k in recompute if not 1 <= k <= target.n_layers]
+    if bad:
+        raise ConfigError(f"--recompute {bad}: the target {target_name} has {target.n_layers} layers; "
+                          f"recompute 1 to {target.n_layers} of them")
     fit = _samples(tokenizer, n_fit, FIT_SEED)
     val = _samples(tokenizer, n_val, VALIDATION_SEED)
     src_caps, tgt_caps = paired_captures(source_model, source, target_model, target, [p[:-1] for p, _ in fit])
@@ -98,6 +107,9 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
               for strategy, tr in translators.items()}
     val_kl["empty_prefix"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val, None,
                                                          condition="empty_prefix"))
+    partial = [{"layers": k, "compute_fraction": compute_fraction(target_model, k),
+                "val_kl": asdict(hybrid_validation_kl(source_model, source, target_model, target, val,
+                                                      translators[COPY], recompute=k))} for k in recompute]
     return {
         "source": source_name, "target": target_name, "n_fit": len(fit), "n_val": len(val),
         "kv_assignment": translators[COPY].attention_assignment, "state_assignment": translators[COPY].states.assignment,
@@ -105,9 +117,19 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         "selected_strategies": selected.states.strategies,
         "selection_kl": {str(k): v for k, v in selection_trace.items()},
         "distill_steps": distill_steps, "distill_lr": distill_lr, "distill_seconds": distill_seconds,
-        "val_kl": val_kl, "capture_seconds": round(capture_seconds, 1),
+        "val_kl": val_kl, "partial_recompute": partial, "capture_seconds": round(capture_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _depths(text: str) -> tuple[int, ...]:
+    try:
+        depths = tuple(int(k) for k in text.split(",") if k.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts, got {text!r}") from None
+    if not depths or any(k < 1 for k in depths):
+        raise argparse.ArgumentTypeError(f"layer counts must be positive integers, got {text!r}")
+    return depths
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,16 +142,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n-val", type=int, default=60, help="validation conversations")
     parser.add_argument("--distill-steps", type=int, default=0, help="stage-2 steps from the selected translator")
     parser.add_argument("--distill-lr", type=float, default=1e-3, help="stage-2 peak learning rate")
+    parser.add_argument("--recompute", type=_depths, default=(),
+                        help="comma-separated k: the DroidSpeak baseline recomputing the target's first k layers")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     report = fit_report(args.source, args.target, n_fit=args.n_fit, n_val=args.n_val,
-                        distill_steps=args.distill_steps, distill_lr=args.distill_lr)
+                        distill_steps=args.distill_steps, distill_lr=args.distill_lr, recompute=args.recompute)
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
     else:
         for key, row in report["val_kl"].items():
             print(f"{report['source']} -> {report['target']}  {key:>15}: val KL {row['mean']:.4f} ± {row['se']:.4f}"
                   f"  (first token {row['first_token']:.4f}, n={row['n']})")
+        for row in report["partial_recompute"]:
+            kl = row["val_kl"]
+            print(f"{report['source']} -> {report['target']}  recompute {row['layers']} layers "
+                  f"({row['compute_fraction']:.0%} of prefill) + copy: val KL {kl['mean']:.4f} ± {kl['se']:.4f}")
     return 0
 
 

@@ -151,28 +151,33 @@ def paired_captures(source_model: nn.Module, source: CacheLayout, target_model: 
 
 def hybrid_validation_kl(source_model: nn.Module, source: CacheLayout, target_model: nn.Module, target: CacheLayout,
                          samples: Sequence[tuple[torch.Tensor, torch.Tensor]], translator: HybridTranslator | None, *,
-                         condition: str = "translated") -> ValidationKL:
+                         condition: str = "translated", recompute: int = 0) -> ValidationKL:
     """KL(target native ‖ condition) over the continuation of each (prefix [n], continuation [m]) sample.
 
-    condition: "translated" (the source's capture of x_{1:n-1} through ``translator``) or "empty_prefix" (the
-    target with no cache).
+    condition: "translated" (the source's capture of x_{1:n-1} through ``translator``, with the first
+    ``recompute`` target layers recomputed natively) or "empty_prefix" (the target with no cache).
 
     Raises:
-        ConfigError: no samples or an unknown condition.
+        ConfigError: no samples, an unknown condition, or recompute outside [0, n_layers].
     """
     return ValidationKL.of(*sample_kls(source_model, source, target_model, target, samples, translator,
-                                       condition=condition))
+                                       condition=condition, recompute=recompute))
 
 
 def sample_kls(source_model: nn.Module, source: CacheLayout, target_model: nn.Module, target: CacheLayout,
                samples: Sequence[tuple[torch.Tensor, torch.Tensor]], translator: HybridTranslator | None, *,
-               condition: str = "translated") -> tuple[list[float], list[float]]:
+               condition: str = "translated", recompute: int = 0) -> tuple[list[float], list[float]]:
     """Per sample, (mean KL over its continuation, KL at its first continuation token): what
     `hybrid_validation_kl` averages, kept per sample for paired comparisons.
 
+    recompute: the target recomputes its first `recompute` layers over the prefix and reads translated objects in
+    the rest (`translators.partial_recompute`, the DroidSpeak baseline); 0: the translator alone.
+
     Raises:
-        ConfigError: no samples or an unknown condition.
+        ConfigError: no samples, an unknown condition, or recompute outside [0, n_layers].
     """
+    from translators.partial_recompute import recomputed_objects
+
     if not samples:
         raise ConfigError("empty validation set")
     if condition not in ("translated", "empty_prefix"):
@@ -186,6 +191,9 @@ def sample_kls(source_model: nn.Module, source: CacheLayout, target_model: nn.Mo
             else:
                 cap = capture_hybrid(source_model, source, prefix[:-1], translator.point)
                 tokens, states = translator(cap)
+                if recompute:
+                    native = capture_hybrid(target_model, target, prefix[:-1], translator.point)
+                    tokens, states = recomputed_objects(tokens, states, native, recompute, target.n_layers)
                 cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
                 student = cache_logits(target_model, cache, prefix, continuation)
             kl = kl_per_position(teacher, student)
