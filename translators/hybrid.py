@@ -19,6 +19,7 @@ from translators.continuation import cache_logits, kl_per_position, no_prefix_lo
 from translators.errors import ConfigError
 from translators.inject import write_hybrid_cache
 from translators.layout import LINEAR, CacheLayout
+from translators.partial_recompute import recomputed_objects
 from translators.solve import ridge_solve
 from translators.stage1 import ValidationKL
 from translators.states import StateMaps, fit_corrections
@@ -176,7 +177,6 @@ def sample_kls(source_model: nn.Module, source: CacheLayout, target_model: nn.Mo
     Raises:
         ConfigError: no samples, an unknown condition, or recompute outside [0, n_layers].
     """
-    from translators.partial_recompute import recomputed_objects
 
     if not samples:
         raise ConfigError("empty validation set")
