@@ -177,7 +177,6 @@ def sample_kls(source_model: nn.Module, source: CacheLayout, target_model: nn.Mo
     Raises:
         ConfigError: no samples, an unknown condition, or recompute outside [0, n_layers].
     """
-
     if not samples:
         raise ConfigError("empty validation set")
     if condition not in ("translated", "empty_prefix"):
