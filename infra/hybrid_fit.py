@@ -1,11 +1,11 @@
-"""Closed-form translators between the embedded GDN hybrids, one per state strategy, with validation KL.
+"""Closed-form translators into and out of the embedded GDN hybrids, one per state strategy, with validation KL.
 
-``python -m infra.hybrid_fit kvlingo-tiny-l-gdn kvlingo-tiny-s-gdn --json`` loads both hybrids (built on first
-use), captures both on the same embedded conversations (one conversation per capture), fits the target's
-attention K/V maps (ridge, ν = 1) and the bilinear state + affine conv-window corrections in closed form, and
-reports validation KL of the target's answers under each state strategy (``zero``, ``copy``,
-``copy_corrected``, and ``selected``: per layer the correction only where it lowers KL on the fit conversations
-held out from the state fit; all with the same K/V maps) beside the ``empty_prefix`` control.
+``python -m infra.hybrid_fit kvlingo-tiny-l-gdn kvlingo-tiny-s-gdn --json`` (or a GQA model on either side, e.g.
+``kvlingo-tiny-l kvlingo-tiny-s-gdn``) loads both models (built on first use), captures both on the same embedded
+conversations (one conversation per capture), fits the target's attention K/V maps (ridge, ν = 1), the replay
+maps and, between same-geometry hybrids, the bilinear state + affine conv-window corrections in closed form, and
+reports validation KL of the target's answers under each state strategy the pair admits (`fit_report`) beside
+the ``empty_prefix`` and ``random_map`` controls.
 """
 
 from __future__ import annotations
@@ -33,50 +33,70 @@ def _samples(tokenizer, count: int, seed: int):
 def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: int = 60, ridge_kv: float = 1e-4,
                ridge_state: float = 1e-3, passes: int = 2, distill_steps: int = 0, distill_lr: float = 1e-3,
                recompute: Sequence[int] = (), progress: bool = False) -> dict:
-    """Fit and score the three state strategies for one direction; returns the report dict (JSON-able).
+    """Fit and score every state strategy the pair admits, for one direction; returns the report dict (JSON-able).
+
+    The strategies scored (`val_kl` keys) follow the pair: into a hybrid target always ``zero`` and ``replay``
+    (the target's own mixers over inputs predicted from the source's tokens); when the source has linear layers of
+    the target's state geometry also ``copy``, ``copy_corrected`` and ``selected`` (per layer the correction only
+    where it lowers KL on the fit conversations held out from the state fit); into a target without linear layers
+    (hybrid → GQA) only ``translated``. All share the same attention K/V maps. Controls: ``empty_prefix`` and
+    ``random_map`` (the distilled translator, else the best closed form, with every map replaced by noise of the
+    same norm).
 
     ``distill_steps`` > 0 adds ``distilled``: stage 2 (`translators.hybrid.distill_hybrid`, batches of 4 fit
-    conversations) from the ``selected`` translator, trained and scored on a copy. Each k in ``recompute`` adds a
-    row of the DroidSpeak baseline (`translators.partial_recompute`): the target recomputes its first k layers and
-    reads the ``copy`` translator's objects in the rest, with the share of its prefill compute that costs.
+    conversations) from ``selected`` where the pair can copy, else from ``replay`` (``translated`` into a GQA
+    target), trained and scored on a copy. Each k in ``recompute`` adds a row of the DroidSpeak baseline
+    (`translators.partial_recompute`): the target recomputes its first k layers and reads the ``copy`` (else
+    ``replay``) translator's objects in the rest, with the share of its prefill compute that costs.
 
     Raises:
-        ConfigError: unknown model names, models without the same state geometry (copy needs it), or a recompute
-            depth outside [1, the target's layers] (checked before anything is fitted).
+        ConfigError: unknown model names, or a recompute depth outside [1, the target's layers] (checked before
+            anything is fitted).
     """
-    from infra.gdn_models import load_gdn_model
+    import copy
+
+    from infra.zoo import load_model
+    from translators.errors import ConfigError
     from translators.hybrid import (
-        HybridTranslator,
+        distill_hybrid,
         fit_kv_maps,
+        fit_replay_maps,
         fit_states,
         hybrid_validation_kl,
+        make_translator,
         paired_captures,
+        random_like,
         select_corrections,
         strategies_for,
     )
-    from translators.errors import ConfigError
-    from translators.layout import cache_layout
     from translators.partial_recompute import compute_fraction
-    from translators.states import COPY, CORRECTED, STRATEGIES, StateMaps, read_metric
+    from translators.states import COPY, CORRECTED, REPLAY, ZERO, linear_layers, read_metric
 
     started = time.perf_counter()
-    source_model, tokenizer = load_gdn_model(source_name, progress=progress)
-    target_model, _ = load_gdn_model(target_name, progress=progress)
-    source, target = cache_layout(source_model), cache_layout(target_model)
+    src, tgt = load_model(source_name), load_model(target_name)
+    source_model, tokenizer, source = src.model, src.tokenizer, src.layout
+    target_model, target = tgt.model, tgt.layout
     bad = [k for k in recompute if not 1 <= k <= target.n_layers]
     if bad:
         raise ConfigError(f"--recompute {bad}: the target {target_name} has {target.n_layers} layers; "
                           f"recompute 1 to {target.n_layers} of them")
     fit = _samples(tokenizer, n_fit, FIT_SEED)
     val = _samples(tokenizer, n_val, VALIDATION_SEED)
-    src_caps, tgt_caps = paired_captures(source_model, source, target_model, target, [p[:-1] for p, _ in fit])
+    prompts = [p[:-1] for p, _ in fit]
+    src_caps, tgt_caps = paired_captures(source_model, source, target_model, target, prompts)
     capture_seconds = time.perf_counter() - started
     held = max(1, len(fit) // 5)  # the last 20% of fit pairs score the closed forms and select the corrections
-    translators = {}
-    kv_fits = state_fits = None
-    for strategy in STRATEGIES:
-        translator = HybridTranslator(source, target, StateMaps(source, target, strategies_for(target, strategy)))
-        if kv_fits is None:
+    if not linear_layers(target):
+        strategies = ["translated"]
+    elif linear_layers(source) and _same_geometry(source, target):
+        strategies = [ZERO, COPY, CORRECTED, REPLAY]
+    else:
+        strategies = [ZERO, REPLAY]
+    translators, kv_fits, state_fits, replay_fits, kv_state = {}, None, [], [], None
+    for strategy in strategies:
+        chosen = {} if strategy == "translated" else strategies_for(target, strategy)
+        translator = make_translator(source, target, target_model, chosen)
+        if kv_state is None:
             kv_fits = fit_kv_maps(translator, src_caps, tgt_caps, ridge=ridge_kv, n_heldout=held)
             fit_kv_maps(translator, src_caps, tgt_caps, ridge=ridge_kv)  # refit on every pair for the translators
             kv_state = {k: v.detach().clone() for k, v in translator.kv.items()}
@@ -85,20 +105,21 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         if strategy == CORRECTED:
             # Fitted without the held-out pairs: they score the fit and then select the corrections. The key side
             # of the error is weighted by how the target reads its states (its queries and keys).
-            metrics = read_metric(target_model, target, [p[:-1] for p, _ in fit[:-held]])
+            metrics = read_metric(target_model, target, prompts[:-held])
             state_fits = fit_states(translator, src_caps, tgt_caps, ridge=ridge_state, passes=passes, n_heldout=held,
                                     metrics=metrics)
+        if strategy == REPLAY:
+            replay_fits = fit_replay_maps(translator, target_model, src_caps, prompts, ridge=ridge_kv, n_heldout=held)
+            fit_replay_maps(translator, target_model, src_caps, prompts, ridge=ridge_kv)  # every pair, as K/V
         translators[strategy] = translator
-    selected, selection_trace = select_corrections(source_model, source, target_model, target,
-                                                   translators[CORRECTED], fit[-held:])
-    translators["selected"] = selected
+    selection_trace = {}
+    if CORRECTED in translators:
+        translators["selected"], selection_trace = select_corrections(source_model, source, target_model, target,
+                                                                      translators[CORRECTED], fit[-held:])
+    start_from = next(s for s in ("selected", REPLAY, "translated") if s in translators)
     distill_seconds = None
     if distill_steps > 0:
-        import copy
-
-        from translators.hybrid import distill_hybrid
-
-        distilled = copy.deepcopy(selected)
+        distilled = copy.deepcopy(translators[start_from])
         started_distill = time.perf_counter()
         distill_hybrid(distilled, source_model, source, target_model, target, fit, steps=distill_steps, lr=distill_lr)
         distill_seconds = round(time.perf_counter() - started_distill, 1)
@@ -107,19 +128,40 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
               for strategy, tr in translators.items()}
     val_kl["empty_prefix"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val, None,
                                                          condition="empty_prefix"))
+    noise_of = "distilled" if "distilled" in translators else start_from
+    val_kl["random_map"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val,
+                                                       random_like(translators[noise_of])))
+    base = translators[COPY] if COPY in translators else translators[start_from]
     partial = [{"layers": k, "compute_fraction": compute_fraction(target_model, k),
-                "val_kl": asdict(hybrid_validation_kl(source_model, source, target_model, target, val,
-                                                      translators[COPY], recompute=k))} for k in recompute]
+                "val_kl": asdict(hybrid_validation_kl(source_model, source, target_model, target, val, base,
+                                                      recompute=k))} for k in recompute]
     return {
         "source": source_name, "target": target_name, "n_fit": len(fit), "n_val": len(val),
-        "kv_assignment": translators[COPY].attention_assignment, "state_assignment": translators[COPY].states.assignment,
+        "strategies": strategies, "distilled_from": start_from if distill_steps > 0 else None,
+        "random_map_of": noise_of,
+        "kv_assignment": base.attention_assignment,
+        "state_assignment": base.states.assignment,
+        "replay_sources": translators[REPLAY].replay.sources if REPLAY in translators else {},
         "kv_r2_heldout": [asdict(f) for f in kv_fits], "state_fit_heldout": [asdict(f) for f in state_fits],
-        "selected_strategies": selected.states.strategies,
+        "replay_r2_heldout": [asdict(f) for f in replay_fits],
+        "selected_strategies": translators["selected"].states.strategies if "selected" in translators else None,
         "selection_kl": {str(k): v for k, v in selection_trace.items()},
         "distill_steps": distill_steps, "distill_lr": distill_lr, "distill_seconds": distill_seconds,
         "val_kl": val_kl, "partial_recompute": partial, "capture_seconds": round(capture_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _same_geometry(source, target) -> bool:
+    """Whether copying states is possible: every target linear layer's assigned source layer has its shapes."""
+    from translators.errors import ConfigError
+    from translators.states import assign_linear_layers, check_same_geometry
+
+    try:
+        check_same_geometry(source, target, assign_linear_layers(source, target))
+    except ConfigError:
+        return False
+    return True
 
 
 def _depths(text: str) -> tuple[int, ...]:

@@ -22,7 +22,8 @@ from translators.layout import LINEAR, CacheLayout
 from translators.partial_recompute import recomputed_objects
 from translators.solve import ridge_solve
 from translators.stage1 import ValidationKL
-from translators.states import StateMaps, fit_corrections
+from translators.replay import ReplayFit, ReplayMaps, fit_replay, mixer_inputs, token_layers
+from translators.states import CONV, REPLAY, STATE, StateMaps, fit_corrections
 
 TOKEN_OBJECTS = ("keys", "values")
 
@@ -55,31 +56,49 @@ class HybridTranslator(nn.Module):
     """Translates a source `HybridCapture` into a hybrid target's cache objects.
 
     ``kv``: fp32 maps ``<object>_<target layer>`` [d_tgt, d_src] for keys and values of every target attention
-    layer (zero until `fit_kv_maps`); ``states``: the `StateMaps` of the target's linear layers.
+    layer (zero until `fit_kv_maps`); ``states``: the `StateMaps` of the target's linear layers; ``replay``: the
+    `ReplayMaps` of the layers whose strategy is ``replay`` (None without any).
     """
 
-    def __init__(self, source: CacheLayout, target: CacheLayout, states: StateMaps, point: str = "pre_norm"):
-        """Raises ConfigError: see `assign_attention_layers`."""
+    def __init__(self, source: CacheLayout, target: CacheLayout, states: StateMaps, point: str = "pre_norm",
+                 replay: ReplayMaps | None = None):
+        """Raises ConfigError: see `assign_attention_layers`; ``replay`` missing, or covering other layers than
+        the ones ``states`` marks ``replay``."""
         super().__init__()
         self.point = point
         self.attention_assignment = assign_attention_layers(source, target)
         self.states = states
+        replayed = sorted(t for t, s in states.strategies.items() if s == REPLAY)
+        covered = sorted(replay.sources) if replay is not None else []
+        if covered != replayed:
+            raise ConfigError(f"layers {replayed} use the {REPLAY!r} strategy but the replay maps cover {covered}; "
+                              f"build ReplayMaps for exactly those layers")
+        self.replay = replay
         self.kv = nn.ParameterDict({
             f"{name}_{t}": nn.Parameter(torch.zeros(target.layers[t].kv.width, source.layers[s].kv.width))
             for t, s in self.attention_assignment.items() for name in TOKEN_OBJECTS})
 
-    def forward(self, capture: HybridCapture) -> tuple[dict[str, dict[int, torch.Tensor]], dict[str, dict[int, torch.Tensor]]]:
+    def forward(self, capture: HybridCapture, target_model: nn.Module | None = None
+                ) -> tuple[dict[str, dict[int, torch.Tensor]], dict[str, dict[int, torch.Tensor]]]:
         """(tokens, states) for `write_hybrid_cache`: target K/V [n_tokens, d_tgt] per attention layer at
         `point`, conv windows and recurrent states per linear layer.
 
+        Args:
+            target_model: the target, whose own mixers the replayed layers run (needed only with replay layers).
         Raises:
-            ConfigError: the capture was taken at another capture point.
+            ConfigError: the capture was taken at another capture point; replay layers without ``target_model``.
         """
         if capture.point != self.point:
             raise ConfigError(f"the translator reads captures at {self.point!r}, got one at {capture.point!r}")
         tokens = {name: {t: capture.tokens[name][s] @ self.kv[f"{name}_{t}"].T.to(capture.tokens[name][s].dtype)
                          for t, s in self.attention_assignment.items()} for name in TOKEN_OBJECTS}
-        return tokens, self.states(capture.states)
+        states = self.states(capture.states)
+        if self.replay is not None:
+            if target_model is None:
+                raise ConfigError("replayed layers run the target's own mixers: pass target_model")
+            replayed = self.replay(capture.tokens, target_model)
+            states = {CONV: {**states[CONV], **replayed[CONV]}, STATE: {**states[STATE], **replayed[STATE]}}
+        return tokens, states
 
 
 @dataclass(frozen=True)
@@ -132,6 +151,50 @@ def fit_kv_maps(translator: HybridTranslator, source: Sequence[HybridCapture], t
             r2[name] = _r2(torch.cat(x[scored]) @ weights, torch.cat(y[scored]))
         fits.append(KVFit(layer=t, source_layer=s, r2_keys=r2["keys"], r2_values=r2["values"]))
     return fits
+
+
+def make_translator(source: CacheLayout, target: CacheLayout, target_model: nn.Module, strategies: dict[int, str],
+                    point: str = "pre_norm", replay_nu: int | None = None) -> HybridTranslator:
+    """An unfitted translator with the given strategy per target linear layer; replayed layers read ``replay_nu``
+    source token layers (`translators.replay.replay_sources`; default 2, or 1 when the source has one: a GDN
+    hybrid holds per-token objects only in its attention layers).
+
+    Raises:
+        ConfigError: see `StateMaps`, `ReplayMaps`, `assign_attention_layers`.
+    """
+    replayed = [t for t, s in strategies.items() if s == REPLAY]
+    nu = replay_nu or min(2, len(token_layers(source)))
+    replay = (ReplayMaps(source, target, replayed, target_model.config.hidden_size, nu=nu)
+              if replayed else None)
+    return HybridTranslator(source, target, StateMaps(source, target, strategies), point, replay)
+
+
+def fit_replay_maps(translator: HybridTranslator, target_model: nn.Module, source: Sequence[HybridCapture],
+                    prompts: Sequence[torch.Tensor], *, ridge: float = 1e-4, n_heldout: int = 0) -> list[ReplayFit]:
+    """Fit the translator's replay maps in closed form (`translators.replay.fit_replay`), in place: the target's
+    native mixer inputs over each prompt ([n] ids, the one the source capture read) are the regression targets.
+
+    Raises:
+        ConfigError: the translator replays no layer; see `fit_replay`.
+    """
+    if translator.replay is None:
+        raise ConfigError("the translator replays no linear layer: nothing to fit")
+    inputs = [mixer_inputs(target_model, list(translator.replay.sources), p) for p in prompts]
+    return fit_replay(translator.replay, [c.tokens for c in source], inputs, ridge=ridge, n_heldout=n_heldout)
+
+
+def random_like(translator: HybridTranslator, seed: int = 0) -> HybridTranslator:
+    """Control `random_map`: a copy of ``translator`` whose every map (K/V, replay, state correction) is Gaussian
+    noise of the same shape and Frobenius norm; copy and zero layers stay as they are (they have no map)."""
+    import copy
+
+    generator = torch.Generator().manual_seed(seed)
+    control = copy.deepcopy(translator)
+    with torch.no_grad():
+        for weight in control.parameters():
+            noise = torch.randn(weight.shape, generator=generator)
+            weight.copy_(noise * (weight.norm() / noise.norm()))
+    return control
 
 
 def fit_states(translator: HybridTranslator, source: Sequence[HybridCapture], target: Sequence[HybridCapture], *,
@@ -189,7 +252,7 @@ def sample_kls(source_model: nn.Module, source: CacheLayout, target_model: nn.Mo
                 student = no_prefix_logits(target_model, prefix, continuation)
             else:
                 cap = capture_hybrid(source_model, source, prefix[:-1], translator.point)
-                tokens, states = translator(cap)
+                tokens, states = translator(cap, target_model)
                 if recompute:
                     native = capture_hybrid(target_model, target, prefix[:-1], translator.point)
                     tokens, states = recomputed_objects(tokens, states, native, recompute, target.n_layers)
@@ -212,7 +275,7 @@ def translated_logits(source_model: nn.Module, source: CacheLayout, target_model
     differentiable in the translator's parameters (stage 2 trains through K/V maps and state corrections)."""
     with torch.no_grad():
         cap = capture_hybrid(source_model, source, prefix[:-1], translator.point)
-    tokens, states = translator(cap)
+    tokens, states = translator(cap, target_model)
     cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
     return cache_logits(target_model, cache, prefix, continuation)
 
@@ -255,7 +318,7 @@ def distill_hybrid(translator: HybridTranslator, source_model: nn.Module, source
                 if i not in captures:
                     captures[i] = capture_hybrid(source_model, source, prefix[:-1], translator.point)
                     teachers[i] = teacher_logits(target_model, prefix, continuation)
-            tokens, states = translator(captures[i])
+            tokens, states = translator(captures[i], target_model)
             cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
             loss = kl_per_position(teachers[i], cache_logits(target_model, cache, prefix, continuation)).mean() / batch
             loss.backward()

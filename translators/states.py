@@ -11,6 +11,9 @@ after the whole prompt, so a token-wise map cannot produce them. Per target line
   L with R fixed, then R with L fixed, each a ridge regression shrunk towards the identity, i.e. towards plain
   copy), and an affine map of the conv window applied to each of its K columns, w_t ≈ W w_s + b (ridge towards
   W = I). O(1) in the prompt length.
+- ``replay``: the target's own mixer runs over normalised inputs predicted token-wise from the source's per-token
+  objects (`translators.replay`); needs no source state. `StateMaps` leaves these layers out of its output and
+  `translators.hybrid.HybridTranslator` fills them.
 
 Source linear layers are assigned to target linear layers by relative depth among the linear layers
 (`assign_linear_layers`). Statistics are fp64, the fitted maps fp32 (`StateMaps`, an nn.Module so stage 2
@@ -31,7 +34,8 @@ from translators.layout import LINEAR, CacheLayout, ConvWindow, RecurrentState
 ZERO = "zero"
 COPY = "copy"
 CORRECTED = "copy_corrected"
-STRATEGIES = (ZERO, COPY, CORRECTED)
+REPLAY = "replay"
+STRATEGIES = (ZERO, COPY, CORRECTED, REPLAY)
 STATE = "recurrent_state"
 CONV = "conv_window"
 
@@ -180,7 +184,7 @@ class StateMaps(nn.Module):
         super().__init__()
         check_strategies(strategies, target)
         self.strategies = dict(strategies)
-        copied = {t for t, s in strategies.items() if s != ZERO}
+        copied = {t for t, s in strategies.items() if s in (COPY, CORRECTED)}
         full = assign_linear_layers(source, target) if copied else {}
         if assignment is not None:
             full = {**full, **assignment}
@@ -220,10 +224,12 @@ class StateMaps(nn.Module):
             states: the source's "conv_window" → {layer → [1, C, K]} and "recurrent_state" → {layer → [1, Hv, dk, dv]}
                 (a `HybridCapture.states`); only the assigned source layers are read.
         Returns:
-            the same structure for every target linear layer.
+            the same structure for every target linear layer but the replayed ones.
         """
         out: dict[str, dict[int, torch.Tensor]] = {CONV: {}, STATE: {}}
         for t, strategy in self.strategies.items():
+            if strategy == REPLAY:
+                continue  # synthesised from the source's tokens (`translators.replay.ReplayMaps`)
             state_shape, conv_shape = self.shapes[t]
             if strategy == ZERO:  # fp32 like the engine's GDN states; writing casts to the model's dtype
                 out[STATE][t] = torch.zeros(1, *state_shape)

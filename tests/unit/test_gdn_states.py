@@ -61,8 +61,8 @@ def test_copy_needs_a_source_state_and_the_same_geometry(layout):
     with pytest.raises(ConfigError, match=r"target layer 0 holds a recurrent_state of shape \[2, 8, 12\] but its "
                                           r"source layer 0 holds \[2, 8, 16\]"):
         StateMaps(wider, layout, {0: COPY, 1: COPY})
-    with pytest.raises(ConfigError, match="unknown state strategy 'replay'"):
-        StateMaps(layout, layout, {0: "replay", 1: COPY})
+    with pytest.raises(ConfigError, match=r"unknown state strategy .mean. \(choose from zero, copy, copy_corrected, replay\)"):
+        StateMaps(layout, layout, {0: "mean", 1: COPY})
     with pytest.raises(ConfigError, match=r"for each target linear layer \[0, 1\]"):
         StateMaps(layout, layout, {0: COPY})
 
