@@ -422,6 +422,9 @@ def bench_multiturn(
 
 
 def _print_speed(result: dict) -> None:
+    if result.get("hybrid"):
+        _print_hybrid_speed(result)
+        return
     table = Table("n", "switch (s)", "translate (s)", "step (s)", "re-prefill (s)", "speed-up", "FLOP ratio",
                   "peak MB switch / prefill", "decode tok/s switch / native",
                   title=f"switch {result['source']} → {result['target']} ({result['translator']}, "
@@ -436,6 +439,20 @@ def _print_speed(result: dict) -> None:
     console = Console()
     console.print(table)
     console.print(f"memory: {result['memory']}")
+
+
+def _print_hybrid_speed(result: dict) -> None:
+    """The stages in milliseconds; `same` says whether the switch's first greedy token equals re-prefill's."""
+    table = Table("n", "route", "maps", "states", "inject", "step", "switch", "prefill", "×", "same",
+                  title=f"switch {result['source']} → {result['target']}, ms ({result['device']}, "
+                        f"{result['threads']} threads)")
+    for r in result["rows"]:
+        ms = [f"{1000 * r[key]:.1f}" for key in ("maps_s", "states_s", "inject_s", "first_step_s", "switch_s",
+                                                  "prefill_s")]
+        table.add_row(str(r["n"]), r["route"], *ms, f"{r['ratio']:.1f}", "yes" if r["first_token_match"] else "no")
+    console = Console()
+    console.print(table)
+    console.print(result["translator"])
 
 
 def _num(value: float | None) -> str:

@@ -30,9 +30,41 @@ def _samples(tokenizer, count: int, seed: int):
             for s in chat_samples(generate_conversations(count, seed), tokenizer, seed=seed)]
 
 
+def recall_scores(src, tgt, translators: dict, n_items: int) -> dict[str, dict]:
+    """Recall on ``n_items`` held-out embedded items (`infra.synthetic_chat.recall_items`, kinds fact / needle /
+    qa) per condition: ``target_native``, ``source_native``, each translator, ``empty_prefix``.
+
+    Each row: {"score": share correct, "se": its standard error, "n": items}; an answer is the target's greedy
+    reply (12 tokens at most), judged by `recall_hit`.
+    """
+    import torch
+
+    from infra.chat import stop_ids
+    from infra.synthetic_chat import recall_hit, recall_items
+    from infra.tiny_models import HELDOUT_SEED, render_chat
+    from translators.generation import GenerationSettings
+    from translators.hybrid import hybrid_answer
+
+    items = recall_items(n_items, HELDOUT_SEED)
+    settings = GenerationSettings(max_new_tokens=12, stop_ids=tuple(stop_ids(tgt.tokenizer)))
+    prompts = [torch.tensor(tgt.tokenizer(render_chat(item.messages, add_generation_prompt=True),
+                                          add_special_tokens=False)["input_ids"]) for item in items]
+    conditions = {"target_native": ("target_native", None), "source_native": ("source_native", None),
+                  **{name: ("translated", tr) for name, tr in translators.items()},
+                  "empty_prefix": ("empty_prefix", None)}
+    out = {}
+    for name, (condition, translator) in conditions.items():
+        hits = [recall_hit(item.answer, tgt.tokenizer.decode(
+            hybrid_answer(src.model, src.layout, tgt.model, tgt.layout, prompt, translator, settings,
+                          condition=condition), skip_special_tokens=True)) for item, prompt in zip(items, prompts)]
+        score = sum(hits) / len(hits)
+        out[name] = {"score": score, "se": (score * (1 - score) / max(len(hits) - 1, 1)) ** 0.5, "n": len(hits)}
+    return out
+
+
 def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: int = 60, ridge_kv: float = 1e-4,
                ridge_state: float = 1e-3, passes: int = 2, distill_steps: int = 0, distill_lr: float = 1e-3,
-               recompute: Sequence[int] = (), progress: bool = False) -> dict:
+               recompute: Sequence[int] = (), recall: int = 0, progress: bool = False) -> dict:
     """Fit and score every state strategy the pair admits, for one direction; returns the report dict (JSON-able).
 
     The strategies scored (`val_kl` keys) follow the pair: into a hybrid target always ``zero`` and ``replay``
@@ -47,7 +79,8 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
     conversations) from ``selected`` where the pair can copy, else from ``replay`` (``translated`` into a GQA
     target), trained and scored on a copy. Each k in ``recompute`` adds a row of the DroidSpeak baseline
     (`translators.partial_recompute`): the target recomputes its first k layers and reads the ``copy`` (else
-    ``replay``) translator's objects in the rest, with the share of its prefill compute that costs.
+    ``replay``) translator's objects in the rest, with the share of its prefill compute that costs. ``recall`` > 0
+    adds ``recall``: `recall_scores` on that many held-out items for every translator and condition.
 
     Raises:
         ConfigError: unknown model names, or a recompute depth outside [1, the target's layers] (checked before
@@ -135,8 +168,9 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
     partial = [{"layers": k, "compute_fraction": compute_fraction(target_model, k),
                 "val_kl": asdict(hybrid_validation_kl(source_model, source, target_model, target, val, base,
                                                       recompute=k))} for k in recompute]
+    recall_rows = recall_scores(src, tgt, translators, recall) if recall > 0 else {}
     return {
-        "source": source_name, "target": target_name, "n_fit": len(fit), "n_val": len(val),
+        "source": source_name, "target": target_name, "n_fit": len(fit), "n_val": len(val), "recall": recall_rows,
         "strategies": strategies, "distilled_from": start_from if distill_steps > 0 else None,
         "random_map_of": noise_of,
         "kv_assignment": base.attention_assignment,
@@ -186,16 +220,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--distill-lr", type=float, default=1e-3, help="stage-2 peak learning rate")
     parser.add_argument("--recompute", type=_depths, default=(),
                         help="comma-separated k: the DroidSpeak baseline recomputing the target's first k layers")
+    parser.add_argument("--recall", type=int, default=0, help="held-out recall items per condition (0: none)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.recall < 0:
+        parser.error(f"--recall must be >= 0, got {args.recall}")
     report = fit_report(args.source, args.target, n_fit=args.n_fit, n_val=args.n_val,
-                        distill_steps=args.distill_steps, distill_lr=args.distill_lr, recompute=args.recompute)
+                        distill_steps=args.distill_steps, distill_lr=args.distill_lr, recompute=args.recompute,
+                        recall=args.recall)
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
     else:
         for key, row in report["val_kl"].items():
             print(f"{report['source']} -> {report['target']}  {key:>15}: val KL {row['mean']:.4f} ± {row['se']:.4f}"
                   f"  (first token {row['first_token']:.4f}, n={row['n']})")
+        for key, row in report["recall"].items():
+            print(f"{report['source']} -> {report['target']}  {key:>15}: recall {row['score']:.3f} ± {row['se']:.3f}"
+                  f" (n={row['n']})")
         for row in report["partial_recompute"]:
             kl = row["val_kl"]
             print(f"{report['source']} -> {report['target']}  recompute {row['layers']} layers "

@@ -404,6 +404,12 @@ def generate_conversations(n: int, seed: int) -> list[list[dict]]:
     return out
 
 
+def recall_hit(gold: str, generated: str) -> bool:
+    """A recall answer is correct when the gold answer (final period stripped) occurs in the first line of the
+    generated text."""
+    return gold.strip().removesuffix(".") in generated.strip().split("\n")[0]
+
+
 def recall_items(n: int, seed: int) -> list[EvalItem]:
     """``n`` held-out recall items (held-out stream), kinds cycling fact, needle, qa.
 

@@ -45,6 +45,7 @@ from infra.synthetic_chat import (
     EvalItem,
     answer_chance,
     generate_conversations,
+    recall_hit,
     recall_items,
 )
 from translators.errors import ConfigError
@@ -731,8 +732,7 @@ def _generate_hits(model, tokenizer, items: Sequence[EvalItem], max_new_tokens: 
         out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=False,
                              max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids(tokenizer)), pad_token_id=pad_id)
     texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    return [item.answer.strip().removesuffix(".") in text.strip().split("\n")[0]
-            for item, text in zip(items, texts)]
+    return [recall_hit(item.answer, text) for item, text in zip(items, texts)]
 
 
 def load_tiny_model(name: str, *, home: Path | None = None, progress: bool = True):

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from infra.config import SpeedBenchConfig
 from translators.errors import ConfigError, PrefixTooLongError
+from translators.layout import is_hybrid
 
 FIT_SAMPLES, FIT_WINDOW = 8, 128  # corpus windows for an on-the-fly closed form (speed does not need quality)
 WARMUP_TOKENS = 32
@@ -80,6 +81,8 @@ def run_speed(config: SpeedBenchConfig) -> dict[str, Any]:
         torch.set_num_threads(config.threads)  # both paths run in this process with the same threads
     started = time.perf_counter()
     source, target = _load_pair(config.source, config.target)
+    if is_hybrid(source.layout) or is_hybrid(target.layout):
+        return _run_hybrid(config, source, target, started)
     cross = not same_tokenizer(source, target)
     for loaded in (source, target):
         # A cross-tokenizer source renders the same text in its own tokens: leave it room for a longer rendering.
@@ -123,6 +126,87 @@ def run_speed(config: SpeedBenchConfig) -> dict[str, Any]:
         "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "memory": MEASURE,
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+
+
+def hybrid_routes(config: SpeedBenchConfig, source, target) -> dict:
+    """Quick closed forms of every state route the pair admits (`infra.hybrid_fit.fit_report`'s strategies but
+    the corrected ones, which cost what copy costs plus two small matmuls per layer), fitted on FIT_SAMPLES
+    corpus windows of FIT_WINDOW tokens, one window per capture: the right shapes and cost, rough quality.
+
+    Returns:
+        route → `translators.hybrid.HybridTranslator`: ``copy`` (same state geometry), ``replay`` (a hybrid
+        target), ``zero`` (a hybrid target), ``translated`` (a target without linear layers).
+    """
+    from infra.hybrid_fit import _same_geometry
+    from infra.prompts import prompt_of_length
+    from translators.hybrid import fit_kv_maps, fit_replay_maps, make_translator, paired_captures, strategies_for
+    from translators.states import COPY, REPLAY, ZERO, linear_layers
+
+    # Another seed than the timed prompts (as `_quick_closed_form`).
+    prompts = list(prompt_of_length(target.tokenizer, FIT_SAMPLES * FIT_WINDOW, seed=config.seed + 1)
+                   .view(FIT_SAMPLES, FIT_WINDOW))
+    src_caps, tgt_caps = paired_captures(source.model, source.layout, target.model, target.layout, prompts)
+    if not linear_layers(target.layout):
+        names = ["translated"]
+    else:
+        copies = bool(linear_layers(source.layout)) and _same_geometry(source.layout, target.layout)
+        names = ([COPY] if copies else []) + [REPLAY, ZERO]
+    routes = {}
+    for name in names:
+        chosen = {} if name == "translated" else strategies_for(target.layout, name)
+        translator = make_translator(source.layout, target.layout, target.model, chosen)
+        fit_kv_maps(translator, src_caps, tgt_caps, ridge=1e-3)
+        if name == REPLAY:
+            fit_replay_maps(translator, target.model, src_caps, prompts, ridge=1e-3)
+        routes[name] = translator
+    return routes
+
+
+def _run_hybrid(config: SpeedBenchConfig, source, target, started: float) -> dict[str, Any]:
+    """`run_speed` for a pair with a hybrid side: per length, every route's switch stage by stage
+    (`evals.hybrid_speed`) against the target's re-prefill.
+
+    Raises:
+        ConfigError: --translator given (hybrid translators have no artifact yet: the routes are fitted here), or
+            the two models tokenize differently. PrefixTooLongError: a length beyond either model's positions.
+    """
+    from evals.hybrid_speed import measure_hybrid_speed
+    from infra.pairs import same_tokenizer
+    from infra.prompts import prompt_of_length
+    from translators.stage1 import Side
+
+    if config.translator is not None:
+        raise ConfigError("--translator: translators for hybrid caches have no artifact yet; leave it out and "
+                          "`bench speed` fits each state route's closed form on a few corpus windows")
+    if not same_tokenizer(source, target):
+        raise ConfigError(f"{source.name} and {target.name} tokenize differently: hybrid switches need one tokenizer")
+    for loaded in (source, target):
+        check_lengths(config.lengths, loaded.layout.max_positions, 1, loaded.name)
+    routes = hybrid_routes(config, source, target)
+    src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
+    prompts = {n: prompt_of_length(target.tokenizer, n, seed=config.seed) for n in config.lengths}
+    # Warm-up (discarded): first calls allocate workspaces and pick kernels.
+    measure_hybrid_speed(src, tgt, routes, prompt_of_length(target.tokenizer, WARMUP_TOKENS, seed=config.seed),
+                         repeats=1)
+    rows = []
+    with _progress() as progress:
+        task = progress.add_task("bench speed (hybrid)", total=len(config.lengths))
+        for n in config.lengths:
+            rows.extend(row.as_dict() for row in measure_hybrid_speed(src, tgt, routes, prompts[n],
+                                                                      repeats=config.repeats))
+            progress.advance(task)
+    return {
+        "hybrid": True,
+        "rows": rows,
+        "routes": list(routes),
+        "source": source.name,
+        "target": target.name,
+        "translator": f"closed forms per state route fitted on {FIT_SAMPLES}×{FIT_WINDOW} corpus tokens",
+        "device": str(target.model.device),
+        "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
         "wall_s": round(time.perf_counter() - started, 2),
     }
 

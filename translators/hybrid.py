@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from translators.capture import HybridCapture, capture_hybrid
 from translators.continuation import cache_logits, kl_per_position, no_prefix_logits, teacher_logits
@@ -22,7 +23,7 @@ from translators.layout import LINEAR, CacheLayout
 from translators.partial_recompute import recomputed_objects
 from translators.solve import ridge_solve
 from translators.stage1 import ValidationKL
-from translators.replay import ReplayFit, ReplayMaps, fit_replay, mixer_inputs, token_layers
+from translators.replay import ReplayFit, ReplayMaps, fit_replay, mixer_inputs, replay_mixer, token_layers
 from translators.states import CONV, REPLAY, STATE, StateMaps, fit_corrections
 
 TOKEN_OBJECTS = ("keys", "values")
@@ -90,15 +91,27 @@ class HybridTranslator(nn.Module):
         """
         if capture.point != self.point:
             raise ConfigError(f"the translator reads captures at {self.point!r}, got one at {capture.point!r}")
-        tokens = {name: {t: capture.tokens[name][s] @ self.kv[f"{name}_{t}"].T.to(capture.tokens[name][s].dtype)
-                         for t, s in self.attention_assignment.items()} for name in TOKEN_OBJECTS}
+        if self.replay is not None and target_model is None:
+            raise ConfigError("replayed layers run the target's own mixers: pass target_model")
+        return self.map_tokens(capture), self.synthesise_states(capture, target_model, self.replay_inputs(capture))
+
+    def map_tokens(self, capture: HybridCapture) -> dict[str, dict[int, torch.Tensor]]:
+        """Target K/V {object: {attention layer: [n_tokens, d_tgt]}} from the source's per-token objects."""
+        return {name: {t: capture.tokens[name][s] @ self.kv[f"{name}_{t}"].T.to(capture.tokens[name][s].dtype)
+                       for t, s in self.attention_assignment.items()} for name in TOKEN_OBJECTS}
+
+    def replay_inputs(self, capture: HybridCapture) -> dict[int, torch.Tensor]:
+        """The replayed layers' predicted mixer inputs {layer: [n_tokens, hidden]} ({} without replay layers)."""
+        return self.replay.inputs(capture.tokens) if self.replay is not None else {}
+
+    def synthesise_states(self, capture: HybridCapture, target_model: nn.Module | None,
+                          inputs: dict[int, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
+        """Conv windows and states of every target linear layer: zero / copied / corrected by `states`, the
+        replayed ones by the target's own mixers over ``inputs`` (`replay_inputs`)."""
         states = self.states(capture.states)
-        if self.replay is not None:
-            if target_model is None:
-                raise ConfigError("replayed layers run the target's own mixers: pass target_model")
-            replayed = self.replay(capture.tokens, target_model)
-            states = {CONV: {**states[CONV], **replayed[CONV]}, STATE: {**states[STATE], **replayed[STATE]}}
-        return tokens, states
+        for t, u in inputs.items():
+            states[CONV][t], states[STATE][t] = replay_mixer(target_model, t, u)
+        return states
 
 
 @dataclass(frozen=True)
@@ -262,6 +275,41 @@ def sample_kls(source_model: nn.Module, source: CacheLayout, target_model: nn.Mo
             means.append(kl.mean().item())
             firsts.append(kl[0].item())
     return means, firsts
+
+
+def hybrid_answer(source_model: nn.Module, source: CacheLayout, target_model: nn.Module, target: CacheLayout,
+                  prompt: torch.Tensor, translator: HybridTranslator | None, settings, *,
+                  condition: str = "translated") -> list[int]:
+    """The target's greedy answer token ids after ``prompt`` ([n] ids ending where the answer starts).
+
+    condition: "translated" (the source's capture of prompt[:-1] through ``translator``, then the target reads the
+    last prompt token itself), "target_native" (the target prefills the prompt), "source_native" (the source
+    answers from its own prefill) or "empty_prefix" (the target reads only the last prompt token).
+    settings: a `translators.generation.GenerationSettings` (budget, stop ids).
+
+    Raises:
+        ConfigError: an unknown condition, or "translated" without a translator.
+    """
+    from translators.generation import decode_from
+    from translators.inject import decode_step
+
+    conditions = ("translated", "target_native", "source_native", "empty_prefix")
+    if condition not in conditions:
+        raise ConfigError(f"unknown condition {condition!r} (choose from {', '.join(conditions)})")
+    if condition == "translated" and translator is None:
+        raise ConfigError("the translated condition needs a translator")
+    model = source_model if condition == "source_native" else target_model
+    with torch.no_grad():
+        if condition == "translated":
+            tokens, states = translator(capture_hybrid(source_model, source, prompt[:-1], translator.point),
+                                        target_model)
+            cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
+            first = decode_step(model, cache, prompt[-1:], logits_to_keep=1)[-1]
+        else:
+            read = prompt[-1:] if condition == "empty_prefix" else prompt
+            cache = DynamicCache(config=model.config)
+            first = decode_step(model, cache, read, logits_to_keep=1)[-1]
+        return decode_from(model, cache, first, settings).answer_ids
 
 
 def strategies_for(target: CacheLayout, strategy: str) -> dict[int, str]:

@@ -156,3 +156,33 @@ def test_the_random_map_control_keeps_every_maps_norm(gqa_to_gdn):
     control = random_like(translator)
     for (name, weight), (_, noise) in zip(translator.named_parameters(), control.named_parameters()):
         assert torch.allclose(weight.norm(), noise.norm(), rtol=1e-5) and not torch.allclose(weight, noise), name
+
+
+def test_answers_from_an_exact_translation_equal_the_targets_own_greedy_generation():
+    """A GDN self-pair with copied states and identity K/V maps is an exact translation: its greedy answer, the
+    target-native answer (kvlingo's decoding loop) and transformers' own `generate` all agree."""
+    from translators.generation import GenerationSettings
+    from translators.hybrid import hybrid_answer
+    from translators.states import COPY
+
+    model = tiny_gdn_model(seed=0)
+    layout = cache_layout(model)
+    translator = HybridTranslator(layout, layout, StateMaps(layout, layout, strategies_for(layout, COPY)))
+    with torch.no_grad():
+        for weight in translator.kv.values():
+            weight.copy_(torch.eye(weight.shape[0]))
+    settings = GenerationSettings(max_new_tokens=6)
+    for seed in range(3):
+        prompt = _ids(15 + seed, 700 + seed)
+        with torch.no_grad():
+            reference = model.generate(input_ids=prompt.view(1, -1), do_sample=False, max_new_tokens=6,
+                                       min_new_tokens=6)[0, len(prompt):].tolist()
+        native = hybrid_answer(model, layout, model, layout, prompt, None, settings, condition="target_native")
+        translated = hybrid_answer(model, layout, model, layout, prompt, translator, settings)
+        assert native == reference and translated == reference, (native, translated, reference)
+    empty = hybrid_answer(model, layout, model, layout, prompt, None, settings, condition="empty_prefix")
+    assert len(empty) == 6
+    with pytest.raises(ConfigError, match="unknown condition 'native'"):
+        hybrid_answer(model, layout, model, layout, prompt, None, settings, condition="native")
+    with pytest.raises(ConfigError, match="needs a translator"):
+        hybrid_answer(model, layout, model, layout, prompt, None, settings)
