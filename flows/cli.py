@@ -193,6 +193,10 @@ def fit(
         table.add_row(name, f"{value:.4f}", f"{summary['val_kl_se'][name]:.4f}", f"{summary['first_token_kl'][name]:.4f}")
     console = Console()
     console.print(table)
+    if summary.get("hybrid"):
+        console.print(f"closed form: {summary['closed_form_strategy']} (of {', '.join(summary['strategies'])})")
+        console.print(f"artifact: {summary['artifact']}")
+        return
     console.print(f"held-out R²: keys {summary['r2']['keys']:.3f}, values {summary['r2']['values']:.3f}")
     if "val_kl_seed_sd" in summary:
         console.print(f"distilled over seeds {summary['seeds']}: {summary['val_kl']['distilled']:.4f} "

@@ -17,6 +17,13 @@ from tasks.fit import STATS_SHARD_SIZE, distill_seeds, plan_fit, progress_bars, 
 def run_fit(config: FitConfig) -> dict[str, Any]:
     """The whole fit in this process: stage 1, then stage 2 unless `stage1_only`. Returns the JSON summary."""
     plan = plan_fit(config)
+    if plan.hybrid:
+        from tasks.hybrid_fit import fit_hybrid
+
+        summary = fit_hybrid(plan)
+        summary["wall_s"] = round(time.perf_counter() - plan.started, 2)
+        (plan.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
     with progress_bars() as progress:
         # Shard by shard: a fit killed here and re-run recomputes only the shard that was in progress.
         stats, train_shards = sharded_stats(plan, plan.stats_train, progress, "stage 1: train statistics")

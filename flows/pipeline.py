@@ -13,6 +13,7 @@ from typing import Any
 
 from prefect import flow
 
+from translators.errors import ConfigError
 from infra.config import FitConfig
 from infra.fingerprint import fingerprint
 from tasks.evaluate import EvalConfig
@@ -58,6 +59,9 @@ def _stage1(config: FitConfig, n_shards: int):
 
 def _stage1_unlocked(config: FitConfig, n_shards: int):
     plan = plan_task(config)
+    if plan.hybrid:
+        raise ConfigError(f"{config.source} → {config.target} has a hybrid side: the tracked flow (--track) does not "
+                          "fit hybrid caches yet; run `kvlingo fit` without --track (artifacts in its run directory)")
     from tasks.cluster import use_ray
 
     if use_ray(config.workers, config.ray_address):

@@ -103,7 +103,7 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         strategies_for,
     )
     from translators.partial_recompute import compute_fraction
-    from translators.states import COPY, CORRECTED, REPLAY, ZERO, linear_layers, read_metric
+    from translators.states import COPY, CORRECTED, REPLAY, ZERO, linear_layers, read_metric, same_state_geometry
 
     started = time.perf_counter()
     src, tgt = load_model(source_name), load_model(target_name)
@@ -121,7 +121,7 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
     held = max(1, len(fit) // 5)  # the last 20% of fit pairs score the closed forms and select the corrections
     if not linear_layers(target):
         strategies = ["translated"]
-    elif linear_layers(source) and _same_geometry(source, target):
+    elif same_state_geometry(source, target):
         strategies = [ZERO, COPY, CORRECTED, REPLAY]
     else:
         strategies = [ZERO, REPLAY]
@@ -184,18 +184,6 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         "val_kl": val_kl, "partial_recompute": partial, "capture_seconds": round(capture_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),
     }
-
-
-def _same_geometry(source, target) -> bool:
-    """Whether copying states is possible: every target linear layer's assigned source layer has its shapes."""
-    from translators.errors import ConfigError
-    from translators.states import assign_linear_layers, check_same_geometry
-
-    try:
-        check_same_geometry(source, target, assign_linear_layers(source, target))
-    except ConfigError:
-        return False
-    return True
 
 
 def _depths(text: str) -> tuple[int, ...]:

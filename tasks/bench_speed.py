@@ -139,10 +139,9 @@ def hybrid_routes(config: SpeedBenchConfig, source, target) -> dict:
         route → `translators.hybrid.HybridTranslator`: ``copy`` (same state geometry), ``replay`` (a hybrid
         target), ``zero`` (a hybrid target), ``translated`` (a target without linear layers).
     """
-    from infra.hybrid_fit import _same_geometry
     from infra.prompts import prompt_of_length
     from translators.hybrid import fit_kv_maps, fit_replay_maps, make_translator, paired_captures, strategies_for
-    from translators.states import COPY, REPLAY, ZERO, linear_layers
+    from translators.states import COPY, REPLAY, ZERO, linear_layers, same_state_geometry
 
     # Another seed than the timed prompts (as `_quick_closed_form`).
     prompts = list(prompt_of_length(target.tokenizer, FIT_SAMPLES * FIT_WINDOW, seed=config.seed + 1)
@@ -151,7 +150,7 @@ def hybrid_routes(config: SpeedBenchConfig, source, target) -> dict:
     if not linear_layers(target.layout):
         names = ["translated"]
     else:
-        copies = bool(linear_layers(source.layout)) and _same_geometry(source.layout, target.layout)
+        copies = same_state_geometry(source.layout, target.layout)
         names = ([COPY] if copies else []) + [REPLAY, ZERO]
     routes = {}
     for name in names:

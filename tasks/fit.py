@@ -27,6 +27,7 @@ from infra.fingerprint import fingerprint, fingerprint_fields
 from infra.rundirs import run_dir
 from infra.settings import kvlingo_home
 from translators.errors import ConfigError
+from translators.layout import is_hybrid
 from translators.objects import object_names
 
 
@@ -70,14 +71,16 @@ class FitPlan:
     target: Any
     train: list
     val: list
-    candidates: dict[int, tuple[int, ...]]
-    nu: int  # source layers per target layer: config.nu, or `translators.stage1.default_nu` of the pair
+    candidates: dict[int, tuple[int, ...]]  # {} for a hybrid pair (`tasks.hybrid_fit`)
+    nu: int | None  # source layers per target layer: config.nu, or `translators.stage1.default_nu` of the pair
+    # (None for a hybrid pair)
     out: Path
     signatures: dict[str, Any]
     data_manifest: dict[str, Any]  # infra.data_manifest.build_manifest of the train/val split
     fingerprint_fields: dict[str, Any]  # infra.fingerprint.fingerprint_fields of the config, pair and data
     started: float = field(default_factory=time.perf_counter)
     token_identity: Any = None  # translators.token_identity.TokenIdentity when config.token_identity is set
+    hybrid: bool = False  # a side has linear-attention layers: fitted by `tasks.hybrid_fit`
 
     @property
     def fingerprint(self) -> str:
@@ -134,8 +137,16 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
     loader = loader or load_model
     torch.manual_seed(config.seed)
     source, target = loader(config.source), loader(config.target)
-    nu = config.nu if config.nu is not None else default_nu(source.layout, target.layout)
-    candidates = candidate_layers(source.layout, target.layout, config.assignment, nu)
+    hybrid = is_hybrid(source.layout) or is_hybrid(target.layout)
+    if hybrid:
+        # Hybrid caches take their own closed forms (`tasks.hybrid_fit`): no per-layer candidates, no ν.
+        from tasks.hybrid_fit import check_hybrid_config
+
+        check_hybrid_config(config, source, target, same_tokenizer(source, target))
+        nu, candidates = None, {}
+    else:
+        nu = config.nu if config.nu is not None else default_nu(source.layout, target.layout)
+        candidates = candidate_layers(source.layout, target.layout, config.assignment, nu)
     corpus = load_conversations(config.data, limit=config.n_train + config.n_val, seed=config.seed)
     if same_tokenizer(source, target):
         samples = build_samples(
@@ -164,12 +175,12 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
     dump_config(config, out / "config.yaml")
     (out / "data_manifest.json").write_text(json.dumps(manifest, indent=1))
     tokens = None
-    if config.token_identity:
+    if config.token_identity and not hybrid:
         from translators.token_identity import make_token_identity
 
         tokens = make_token_identity(config.token_identity, source.model, source.layout, target.model, config.point)
     return FitPlan(config, source, target, train, val, candidates, nu, out, signatures, manifest, fields,
-                   token_identity=tokens)
+                   token_identity=tokens, hybrid=hybrid)
 
 
 def _cross_samples(config: FitConfig, corpus, source, target) -> list:

@@ -8,7 +8,7 @@ Gram statistics of paired captures (source and target reading the same conversat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -331,7 +331,8 @@ def translated_logits(source_model: nn.Module, source: CacheLayout, target_model
 
 def distill_hybrid(translator: HybridTranslator, source_model: nn.Module, source: CacheLayout, target_model: nn.Module,
                    target: CacheLayout, samples: Sequence[tuple[torch.Tensor, torch.Tensor]], *, steps: int,
-                   lr: float, batch: int = 4, warmup_frac: float = 0.05, seed: int = 0) -> list[float]:
+                   lr: float, batch: int = 4, warmup_frac: float = 0.05, seed: int = 0,
+                   on_step: Callable[[int], None] | None = None) -> list[float]:
     """Stage 2 for a hybrid target: KL(target native ‖ translated) over each sample's continuation, through the
     frozen target into the K/V maps and the state corrections (zero and copy layers have no parameters).
 
@@ -340,6 +341,7 @@ def distill_hybrid(translator: HybridTranslator, source_model: nn.Module, source
 
     Args:
         samples: (prefix [n], continuation [m]) id pairs, one conversation each.
+        on_step: called with the step index (from 1) after each optimizer step (checkpoint selection).
     Returns:
         the loss of every step.
     Raises:
@@ -376,6 +378,8 @@ def distill_hybrid(translator: HybridTranslator, source_model: nn.Module, source
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         losses.append(total)
+        if on_step is not None:
+            on_step(step + 1)
     return losses
 
 

@@ -77,6 +77,18 @@ def check_same_geometry(source: CacheLayout, target: CacheLayout, assignment: Ma
                     f"holds {list(have.shape)}: copying a state needs the same geometry; use the {ZERO!r} strategy")
 
 
+def same_state_geometry(source: CacheLayout, target: CacheLayout) -> bool:
+    """Whether states can be copied: both models have linear layers, and every target linear layer's source layer
+    (`assign_linear_layers`) holds a state and window of its shapes."""
+    if not linear_layers(source) or not linear_layers(target):
+        return False
+    try:
+        check_same_geometry(source, target, assign_linear_layers(source, target))
+    except ConfigError:
+        return False
+    return True
+
+
 def check_strategies(strategies: Mapping[int, str], target: CacheLayout) -> None:
     """Raises ConfigError for an unknown strategy or a missing / non-linear target layer."""
     expected = set(linear_layers(target))

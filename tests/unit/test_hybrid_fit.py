@@ -1,0 +1,92 @@
+"""`kvlingo fit` with a hybrid side (tasks.hybrid_fit) on tiny local models: the JSON contract, the exact
+self-pair, both artifacts and their integrity checks, and the settings it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from tiny_configs import save_tiny_model_dir, tiny_gdn_model, tiny_tokenizer, words
+from typer.testing import CliRunner
+
+from flows.cli import app
+from translators.artifact import ArtifactError
+from translators.errors import PairMismatchError
+from translators.hybrid_artifact import load_hybrid_translator
+from translators.layout import cache_layout
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_fit")
+    gdn, other = root / "gdn", root / "gdn_other"
+    for path, seed in ((gdn, 0), (other, 1)):
+        tiny_gdn_model(seed=seed).save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
+    qwen = save_tiny_model_dir("qwen3", root / "qwen3", seed=1)
+    data = root / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"text": words(120, seed=i)}) for i in range(100)))
+    config = root / "fit.yaml"
+    config.write_text(yaml.safe_dump({"data": str(data), "max_prefix_tokens": 40, "max_continuation_tokens": 8,
+                                      "n_train": 80, "n_val": 8, "stats_samples": 32, "n_select": 8, "steps": 6,
+                                      "batch": 2, "eval_every": 3, "lr": 1e-3}))
+    return {"gdn": str(gdn), "other": str(other), "qwen": str(qwen), "config": str(config), "root": root}
+
+
+def fit(setup, *args):
+    return runner.invoke(app, ["fit", *args, "--config", setup["config"], "--json"])
+
+
+def test_a_hybrid_self_pair_fits_exactly_and_saves_both_artifacts(setup, kvlingo_home):
+    out = setup["root"] / "self"
+    result = fit(setup, setup["gdn"], setup["gdn"], "--output-dir", str(out))
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["hybrid"] is True
+    assert summary["strategies"] == ["zero", "copy", "copy_corrected", "replay", "selected"]
+    kl = summary["val_kl"]
+    assert kl["copy"] < 1e-5 < kl["zero"]  # copied states and least-squares identity K/V maps: the native cache
+    assert kl["closed_form"] == min(kl[s] for s in summary["strategies"]) or kl["closed_form"] < 1e-5
+    assert kl["distilled"] <= kl["closed_form"] + 1e-6 < kl["empty_prefix"]  # step 0 is a checkpoint candidate
+    assert kl["random_map"] > 10 * kl["closed_form"]
+    assert summary["stage2"]["selection_kl"].keys() == {"0", "3", "6"}
+    assert (out / "summary.json").is_file() and json.loads((out / "summary.json").read_text())["hybrid"] is True
+    for stage in ("closed_form", "distilled"):
+        assert (out / stage / "weights.safetensors").is_file()
+
+
+def test_gqa_into_a_hybrid_replays_and_its_artifact_round_trips(setup, kvlingo_home):
+    from infra.zoo import load_model, model_signature
+    from translators.hybrid import hybrid_validation_kl
+
+    out = setup["root"] / "gqa"
+    result = fit(setup, setup["qwen"], setup["gdn"], "--output-dir", str(out), "--stage1-only")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["strategies"] == ["zero", "replay"] and "distilled" not in summary["val_kl"]
+    source, target = load_model(setup["qwen"]), load_model(setup["gdn"])
+    translator, manifest = load_hybrid_translator(out / "closed_form", source.layout, target.layout, target.model,
+                                                  source=model_signature(source), target=model_signature(target))
+    assert manifest["strategies"] == {"0": summary["closed_form_strategy"], "1": summary["closed_form_strategy"]}
+    samples = [(torch.randint(3, 97, (20,)), torch.randint(3, 97, (4,))) for _ in range(2)]
+    kl = hybrid_validation_kl(source.model, source.layout, target.model, target.layout, samples, translator)
+    assert kl.mean < 50  # a working translator (the loaded maps are used; exact values depend on the fit)
+    other = load_model(setup["other"])
+    with pytest.raises(PairMismatchError, match="fitted for another target model"):
+        load_hybrid_translator(out / "closed_form", source.layout, other.layout, other.model,
+                               target=model_signature(other))
+    weights = out / "closed_form" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(ArtifactError, match="was modified or corrupted"):
+        load_hybrid_translator(out / "closed_form", source.layout, target.layout, target.model)
+
+
+def test_gqa_only_settings_are_refused_together(setup, kvlingo_home):
+    result = fit(setup, setup["qwen"], setup["gdn"], "--nu", "2", "--head-wise", "--stage1-only")
+    assert result.exit_code == 2, result.output
+    assert "hybrid caches are fitted by their own closed forms" in result.output
+    assert "nu=2" in result.output and "head_wise=True" in result.output
