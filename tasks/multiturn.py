@@ -22,6 +22,7 @@ from typing import Any
 from infra.rundirs import latest_fit_dir
 from infra.synthetic_chat import MAX_HANDOFF_TURNS, handoff_conversations
 from translators.errors import ConfigError
+from translators.layout import is_hybrid
 
 MODES = ("reprefill", "segment", "naive")
 
@@ -82,13 +83,19 @@ def run_multiturn(
     for (src, tgt), ref in refs.items():
         if ref is None:
             refs[(src, tgt)] = _fit_ref(fit_dirs[(src, tgt)], stage, loaded[src].name, loaded[tgt].name)
-    translators = {(src, tgt): load_translator_ref(ref, loaded[src], loaded[tgt]) for (src, tgt), ref in refs.items()}
+    hybrid = is_hybrid(a.layout) or is_hybrid(b.layout)
+    if hybrid:
+        translators = {(src, tgt): _hybrid_translator(ref, loaded[src], loaded[tgt]) for (src, tgt), ref in refs.items()}
+    else:
+        translators = {(src, tgt): load_translator_ref(ref, loaded[src], loaded[tgt]) for (src, tgt), ref in refs.items()}
     sides = {"A": Side(a.model, a.layout), "B": Side(b.model, b.layout)}
+    if cross and hybrid:
+        raise ConfigError(f"{a.name} and {b.name} tokenize differently: hybrid hand-offs need one tokenizer")
     dialogue = (_CrossDialogue(loaded, sides, translators, max_new_tokens) if cross
-                else _SharedDialogue(b.tokenizer, sides, translators, max_new_tokens))
+                else _SharedDialogue(b.tokenizer, sides, translators, max_new_tokens, hybrid=hybrid))
     conversations = handoff_conversations(n_conversations, turns, seed)
     result: dict[str, Any] = {"model_a": a.name, "model_b": b.name, "stage": stage, "turns": turns,
-                              "n_conversations": n_conversations, "cross_tokenizer": cross,
+                              "n_conversations": n_conversations, "cross_tokenizer": cross, "hybrid": hybrid,
                               "translators": {"ab": refs[("A", "B")].text, "ba": refs[("B", "A")].text}, "modes": {}}
     for mode in MODES:
         hits = [[0.0] * n_conversations for _ in range(turns)]
@@ -116,18 +123,20 @@ def run_multiturn(
 class _SharedDialogue:
     """Hand-offs over one shared token history (both models use one tokenizer)."""
 
-    def __init__(self, tokenizer, sides, translators, max_new_tokens: int):
+    def __init__(self, tokenizer, sides, translators, max_new_tokens: int, *, hybrid: bool = False):
         from infra.chat import stop_ids
         from translators.generation import GenerationSettings
 
-        self.tokenizer, self.sides, self.translators = tokenizer, sides, translators
+        self.tokenizer, self.sides, self.translators, self.hybrid = tokenizer, sides, translators, hybrid
         self.settings = GenerationSettings(max_new_tokens=max_new_tokens, stop_ids=stop_ids(tokenizer))
 
     def start(self, mode: str, opening: list[dict]):
-        """A conversation in `mode` held by A, its opening appended."""
+        """A conversation in `mode` held by A, its opening appended (a hybrid pair: `HybridConversation`)."""
         from translators.conversation import Conversation
+        from translators.hybrid_conversation import HybridConversation
 
-        conv = Conversation(self.sides, holder="A", translators=self.translators, mode=mode, tokenizer=self.tokenizer)
+        kind = HybridConversation if self.hybrid else Conversation
+        conv = kind(self.sides, holder="A", translators=self.translators, mode=mode, tokenizer=self.tokenizer)
         conv.append(_block(self.tokenizer, opening, generation_prompt=False, after_turn=False))
         return conv
 
@@ -164,6 +173,24 @@ class _CrossDialogue:
         """The holder's answer text to `question`."""
         conv.append([{"role": "user", "content": question}])
         return conv.generate(self.settings[conv.holder]).text or ""
+
+
+def _hybrid_translator(ref, source, target):
+    """A hybrid translator artifact (`kvlingo fit` of a pair with a hybrid side) at a path reference.
+
+    Raises:
+        ConfigError: an identity or registry reference (hybrid translators are read from their fit directory).
+        ArtifactError, PairMismatchError: see `translators.hybrid_artifact.load_hybrid_translator`.
+    """
+    from infra.zoo import model_signature
+    from translators.hybrid_artifact import load_hybrid_translator
+
+    if ref.kind != "path":
+        raise ConfigError(f"{ref.text}: hybrid translators are read from an artifact directory (a `kvlingo fit` "
+                          f"run's closed_form/ or distilled/); pass its path or the fit directory")
+    translator, _ = load_hybrid_translator(ref.path, source.layout, target.layout, target.model,
+                                           source=model_signature(source), target=model_signature(target))
+    return translator
 
 
 def _given_ref(text: str | None, fit_dir: Path | None, direction: str):
