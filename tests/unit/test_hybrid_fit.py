@@ -90,3 +90,25 @@ def test_gqa_only_settings_are_refused_together(setup, kvlingo_home):
     assert result.exit_code == 2, result.output
     assert "hybrid caches are fitted by their own closed forms" in result.output
     assert "nu=2" in result.output and "head_wise=True" in result.output
+
+
+def test_bench_multiturn_hands_off_between_hybrids_from_their_fits(setup, kvlingo_home):
+    """A hybrid self-pair's closed form is exact, so every hand-off mode answers as re-prefill does; segment
+    translates each span once, naive again."""
+    long = setup["root"] / "gdn_long"  # hand-off conversations run past the tiny default of 128 positions
+    tiny_gdn_model(seed=0, max_position_embeddings=1024).save_pretrained(long)
+    tiny_tokenizer().save_pretrained(long)
+    long = str(long)
+    out = setup["root"] / "turns"
+    assert fit(setup, long, long, "--output-dir", str(out), "--stage1-only").exit_code == 0
+    result = runner.invoke(app, ["bench", "multiturn", long, long, "--fit-dir-ab", str(out),
+                                 "--fit-dir-ba", str(out), "--stage", "closed_form", "--conversations", "2",
+                                 "--turns", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    modes = json.loads(result.stdout)["modes"]
+    assert modes["segment"]["per_turn"] == modes["reprefill"]["per_turn"] == modes["naive"]["per_turn"]
+    assert modes["segment"]["max_times_a_span_was_translated"] == 1
+    assert modes["naive"]["max_times_a_span_was_translated"] == 3
+    result = runner.invoke(app, ["bench", "multiturn", long, long, "--translator-ab", "identity",
+                                 "--fit-dir-ba", str(out), "--stage", "closed_form", "--json"])
+    assert result.exit_code == 2 and "hybrid translators are read from an artifact directory" in result.output
