@@ -138,3 +138,16 @@ def tiny_gdn_model(seed: int = 0, **overrides):
     model = AutoModelForCausalLM.from_config(tiny_gdn_config(**overrides), dtype=torch.float32)
     model.eval().requires_grad_(False)
     return model
+
+
+def exact_hybrid_copy(layout):
+    """A `translators.hybrid.HybridTranslator` from a hybrid model into itself that is exact: copied states and
+    identity K/V maps."""
+    from translators.hybrid import HybridTranslator, strategies_for
+    from translators.states import COPY, StateMaps
+
+    translator = HybridTranslator(layout, layout, StateMaps(layout, layout, strategies_for(layout, COPY)))
+    with torch.no_grad():
+        for weight in translator.kv.values():
+            weight.copy_(torch.eye(weight.shape[0]))
+    return translator

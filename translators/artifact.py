@@ -76,11 +76,11 @@ def replace_file(path: Path, data: bytes) -> None:
         raise
 
 
-def read_manifest(directory: str | Path) -> dict[str, Any]:
-    """The manifest of an artifact directory.
+def read_manifest(directory: str | Path, expected: str = FORMAT) -> dict[str, Any]:
+    """The manifest of an artifact directory of format ``expected``.
 
     Raises:
-        ArtifactError: missing or unreadable manifest, or an unknown format.
+        ArtifactError: missing or unreadable manifest, or another format.
     """
     path = Path(directory) / MANIFEST
     if not path.is_file():
@@ -89,9 +89,27 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ArtifactError(f"{path} is not valid JSON: {err}") from err
-    if manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: unknown artifact format {manifest.get('format')!r} (expected {FORMAT})")
+    if manifest.get("format") != expected:
+        raise ArtifactError(f"{path}: unknown artifact format {manifest.get('format')!r} (expected {expected})")
     return manifest
+
+
+def verified_weights(directory: str | Path, manifest: dict[str, Any]) -> Path:
+    """The weights file of an artifact directory, after checking its sha256 against the manifest.
+
+    Raises:
+        ArtifactError: the file is missing, or its hash differs (modified or corrupted).
+    """
+    weights = Path(directory) / WEIGHTS
+    if not weights.is_file():
+        raise ArtifactError(f"{directory}: {WEIGHTS} is missing")
+    digest = _sha256(weights)
+    if digest != manifest["weights_sha256"]:
+        raise ArtifactError(
+            f"{weights} has sha256 {digest[:16]}… but the manifest records {manifest['weights_sha256'][:16]}…: "
+            "the file was modified or corrupted; re-download or re-fit the translator"
+        )
+    return weights
 
 
 def load_translator(
@@ -107,15 +125,7 @@ def load_translator(
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    weights = directory / WEIGHTS
-    if not weights.is_file():
-        raise ArtifactError(f"{directory}: {WEIGHTS} is missing")
-    digest = _sha256(weights)
-    if digest != manifest["weights_sha256"]:
-        raise ArtifactError(
-            f"{weights} has sha256 {digest[:16]}… but the manifest records {manifest['weights_sha256'][:16]}…: "
-            "the file was modified or corrupted; re-download or re-fit the translator"
-        )
+    weights = verified_weights(directory, manifest)
     for role, given in (("source", source), ("target", target)):
         if given is not None:
             check_signature(manifest["pair"][role], given, role)

@@ -249,10 +249,8 @@ class Conversation:
         Raises:
             ConfigError: no tokens. PrefixTooLongError: the history would exceed a model's positions.
         """
-        ids = [int(t) for t in torch.as_tensor(token_ids, dtype=torch.long).view(-1)]
-        if not ids:
-            raise ConfigError("nothing to append: give at least one token id")
-        self._check_fits(len(self.tokens) + len(ids), "appending these tokens")
+        ids = appended_ids(token_ids)
+        check_positions(len(self.tokens) + len(ids), self.max_positions, "appending these tokens")
         self.tokens.extend(ids)
 
     def generate(self, settings: GenerationSettings | None = None) -> TurnResult:
@@ -261,11 +259,7 @@ class Conversation:
         Raises:
             ConfigError: empty history, invalid settings. PrefixTooLongError: history + budget beyond positions.
         """
-        settings = settings or GenerationSettings()
-        settings.check()
-        if not self.tokens:
-            raise ConfigError("the conversation is empty: append the prompt's token ids before generating")
-        self._check_fits(len(self.tokens) + settings.max_new_tokens - 1, f"generating {settings.max_new_tokens} tokens")
+        settings = generation_settings(self.tokens, settings, self.max_positions)
         name, side, line = self.holder, self.models[self.holder], self.lines[self.holder]
         start = line.n_tokens
         if start != self._written():
@@ -295,23 +289,7 @@ class Conversation:
         Raises:
             ConfigError: unknown model name.
         """
-        name = self._name(name)
-        outgoing = self.holder
-        started = time.perf_counter()
-        if name == outgoing:
-            record = SwitchRecord(outgoing, name, "none", [], 0, 0.0)
-        elif self._needs_refresh(name):
-            record = self._refresh(outgoing, name)
-        elif self.mode == "segment":
-            record = self._switch_segment(outgoing, name)
-        elif self.mode == "naive":
-            record = self._switch_naive(outgoing, name)
-        else:
-            record = self._switch_reprefill(outgoing, name)
-        record.seconds = time.perf_counter() - started
-        self.holder = name
-        self.events.append(record)
-        return record
+        return route_switch(self, name)
 
     def max_translation_count(self) -> int:
         """The most times any written span has been translated (1 at most in segment mode)."""
@@ -397,18 +375,74 @@ class Conversation:
             self.spans.append(span)
             self.translation_counts[(span.start, span.end)] = 0
 
-    def _check_fits(self, n_positions: int, what: str) -> None:
-        if n_positions > self.max_positions:
-            raise PrefixTooLongError(
-                f"{what} needs {n_positions} positions but the conversation's models read at most "
-                f"{self.max_positions}; start a new conversation or generate fewer tokens"
-            )
-
     def _name(self, name: str) -> str:
         return _model_name(self.models, name)
 
 
 # --- Module helpers -------------------------------------------------------------------------------
+
+
+def appended_ids(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """Token ids to append to a history, as ints.
+
+    Raises:
+        ConfigError: no tokens.
+    """
+    ids = [int(t) for t in torch.as_tensor(token_ids, dtype=torch.long).view(-1)]
+    if not ids:
+        raise ConfigError("nothing to append: give at least one token id")
+    return ids
+
+
+def check_positions(n_positions: int, max_positions: int, what: str) -> None:
+    """Raises PrefixTooLongError when a history of ``n_positions`` would not fit the models' positions."""
+    if n_positions > max_positions:
+        raise PrefixTooLongError(
+            f"{what} needs {n_positions} positions but the conversation's models read at most "
+            f"{max_positions}; start a new conversation or generate fewer tokens"
+        )
+
+
+def generation_settings(tokens: Sequence[int], settings: GenerationSettings | None, max_positions: int
+                        ) -> GenerationSettings:
+    """The turn's settings (default ones when None), checked against the history.
+
+    Raises:
+        ConfigError: empty history, invalid settings. PrefixTooLongError: history + budget beyond positions.
+    """
+    settings = settings or GenerationSettings()
+    settings.check()
+    if not tokens:
+        raise ConfigError("the conversation is empty: append the prompt's token ids before generating")
+    check_positions(len(tokens) + settings.max_new_tokens - 1, max_positions,
+                    f"generating {settings.max_new_tokens} tokens")
+    return settings
+
+
+def route_switch(conv, name: str) -> SwitchRecord:
+    """Hand ``conv`` (a `Conversation` or `translators.hybrid_conversation.HybridConversation`) to ``name`` by its
+    mode (refresh first when due), record the switch and make ``name`` the holder.
+
+    Raises:
+        ConfigError: unknown model name.
+    """
+    name = _model_name(conv.models, name)
+    outgoing = conv.holder
+    started = time.perf_counter()
+    if name == outgoing:
+        record = SwitchRecord(outgoing, name, "none", [], 0, 0.0)
+    elif conv._needs_refresh(name):
+        record = conv._refresh(outgoing, name)
+    elif conv.mode == "segment":
+        record = conv._switch_segment(outgoing, name)
+    elif conv.mode == "naive":
+        record = conv._switch_naive(outgoing, name)
+    else:
+        record = conv._switch_reprefill(outgoing, name)
+    record.seconds = time.perf_counter() - started
+    conv.holder = name
+    conv.events.append(record)
+    return record
 
 
 def _model_name(models: Mapping[str, Any], name: str) -> str:

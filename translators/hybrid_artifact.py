@@ -17,7 +17,15 @@ from typing import Any
 from safetensors.torch import load_file, save
 from torch import nn
 
-from translators.artifact import MANIFEST, WEIGHTS, ArtifactError, check_signature, replace_file
+from translators.artifact import (
+    MANIFEST,
+    WEIGHTS,
+    ArtifactError,
+    check_signature,
+    read_manifest,
+    replace_file,
+    verified_weights,
+)
 from translators.hybrid import HybridTranslator, make_translator
 from translators.layout import CacheLayout
 
@@ -73,28 +81,13 @@ def load_hybrid_translator(directory: str | Path, source_layout: CacheLayout, ta
             target's ``hidden_size``).
         source, target: signatures of those models; each given one must match the recorded one.
     Raises:
-        ArtifactError: missing files, an unknown format, weights whose sha256 differs from the manifest, or layer
+        ArtifactError: missing files, another format (GQA/MLA translators load with
+            `translators.artifact.load_translator`), weights whose sha256 differs from the manifest, or layer
             assignments that differ from the recorded ones.
         PairMismatchError: the artifact was fitted for another source or target (the field is named).
     """
-    directory = Path(directory)
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise ArtifactError(f"{directory} is not a translator artifact: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ArtifactError(f"{path} is not valid JSON: {err}") from err
-    if manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{path}: format {manifest.get('format')!r} is not a hybrid translator ({FORMAT}); "
-                            "load GQA/MLA translators with translators.artifact.load_translator")
-    weights = directory / WEIGHTS
-    if not weights.is_file():
-        raise ArtifactError(f"{directory}: {WEIGHTS} is missing")
-    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
-    if digest != manifest["weights_sha256"]:
-        raise ArtifactError(f"{weights} has sha256 {digest[:16]}… but the manifest records "
-                            f"{manifest['weights_sha256'][:16]}…: the file was modified or corrupted; re-fit it")
+    manifest = read_manifest(directory, FORMAT)
+    weights = verified_weights(directory, manifest)
     for role, given in (("source", source), ("target", target)):
         if given is not None:
             check_signature(manifest["pair"][role], given, role)

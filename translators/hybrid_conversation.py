@@ -36,8 +36,19 @@ import torch
 from transformers import DynamicCache
 
 from translators.capture import HybridCapture
-from translators.conversation import Span, SwitchRecord, TurnResult, _check_mode, _check_refresh, _model_name
-from translators.errors import ConfigError, PrefixTooLongError
+from translators.conversation import (
+    Span,
+    SwitchRecord,
+    TurnResult,
+    _check_mode,
+    _check_refresh,
+    _model_name,
+    appended_ids,
+    check_positions,
+    generation_settings,
+    route_switch,
+)
+from translators.errors import ConfigError
 from translators.generation import GenerationSettings, decode_from
 from translators.hybrid import HybridTranslator
 from translators.inject import decode_step
@@ -124,10 +135,8 @@ class HybridConversation:
         Raises:
             ConfigError: no tokens. PrefixTooLongError: the history would exceed a model's positions.
         """
-        ids = [int(t) for t in torch.as_tensor(token_ids, dtype=torch.long).view(-1)]
-        if not ids:
-            raise ConfigError("nothing to append: give at least one token id")
-        self._check_fits(len(self.tokens) + len(ids), "appending these tokens")
+        ids = appended_ids(token_ids)
+        check_positions(len(self.tokens) + len(ids), self.max_positions, "appending these tokens")
         self.tokens.extend(ids)
 
     def generate(self, settings: GenerationSettings | None = None) -> TurnResult:
@@ -136,11 +145,7 @@ class HybridConversation:
         Raises:
             ConfigError: empty history, invalid settings. PrefixTooLongError: history + budget beyond positions.
         """
-        settings = settings or GenerationSettings()
-        settings.check()
-        if not self.tokens:
-            raise ConfigError("the conversation is empty: append the prompt's token ids before generating")
-        self._check_fits(len(self.tokens) + settings.max_new_tokens - 1, f"generating {settings.max_new_tokens} tokens")
+        settings = generation_settings(self.tokens, settings, self.max_positions)
         name, side, held = self.holder, self.models[self.holder], self.held[self.holder]
         start = held.seen
         pending = torch.tensor(self.tokens[start:])
@@ -166,23 +171,7 @@ class HybridConversation:
         Raises:
             ConfigError: unknown model name.
         """
-        name = _model_name(self.models, name)
-        outgoing = self.holder
-        started = time.perf_counter()
-        if name == outgoing:
-            record = SwitchRecord(outgoing, name, "none", [], 0, 0.0)
-        elif self._needs_refresh(name):
-            record = self._refresh(outgoing, name)
-        elif self.mode == "segment":
-            record = self._switch_segment(outgoing, name)
-        elif self.mode == "naive":
-            record = self._switch_naive(outgoing, name)
-        else:
-            record = self._switch_reprefill(outgoing, name)
-        record.seconds = time.perf_counter() - started
-        self.holder = name
-        self.events.append(record)
-        return record
+        return route_switch(self, name)
 
     def max_translation_count(self) -> int:
         """The most times any written span has been translated (1 at most in segment mode)."""
@@ -297,10 +286,6 @@ class HybridConversation:
             self.spans.append(span)
             self.translation_counts[(span.start, span.end)] = 0
 
-    def _check_fits(self, n_positions: int, what: str) -> None:
-        if n_positions > self.max_positions:
-            raise PrefixTooLongError(f"{what} needs {n_positions} positions but the conversation's models read at "
-                                     f"most {self.max_positions}; start a new conversation or generate fewer tokens")
 
 
 def _states(cache: DynamicCache, side: Side) -> dict[str, dict[int, torch.Tensor]]:

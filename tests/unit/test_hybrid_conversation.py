@@ -7,17 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_configs import tiny_gdn_model, tiny_model
+from tests.tiny_configs import exact_hybrid_copy, tiny_gdn_model, tiny_model
 from translators.capture import capture_hybrid
 from translators.errors import ConfigError
 from translators.generation import GenerationSettings
-from translators.hybrid import HybridTranslator, fit_kv_maps, fit_replay_maps, make_translator, paired_captures
-from translators.hybrid import strategies_for
+from translators.hybrid import fit_kv_maps, fit_replay_maps, make_translator, paired_captures
 from translators.hybrid_conversation import HybridConversation
 from translators.inject import decode_step
 from translators.layout import cache_layout
 from translators.stage1 import Side
-from translators.states import CONV, COPY, REPLAY, STATE, StateMaps
+from translators.states import CONV, REPLAY, STATE
 
 SETTINGS = GenerationSettings(max_new_tokens=4)
 
@@ -26,21 +25,13 @@ def _ids(n, seed):
     return torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def _exact_copy(layout):
-    translator = HybridTranslator(layout, layout, StateMaps(layout, layout, strategies_for(layout, COPY)))
-    with torch.no_grad():
-        for weight in translator.kv.values():
-            weight.copy_(torch.eye(weight.shape[0]))
-    return translator
-
-
 @pytest.fixture(scope="module")
 def twins():
     """Two copies of one tiny GDN model: identity K/V maps and copied states translate between them exactly."""
     model = tiny_gdn_model(seed=0)
     layout = cache_layout(model)
     side = Side(model, layout)
-    return {"A": side, "B": side}, {("A", "B"): _exact_copy(layout), ("B", "A"): _exact_copy(layout)}
+    return {"A": side, "B": side}, {("A", "B"): exact_hybrid_copy(layout), ("B", "A"): exact_hybrid_copy(layout)}
 
 
 def _play(conv, turns=4):

@@ -15,7 +15,6 @@ from flows.cli import app
 from translators.artifact import ArtifactError
 from translators.errors import PairMismatchError
 from translators.hybrid_artifact import load_hybrid_translator
-from translators.layout import cache_layout
 
 runner = CliRunner()
 

@@ -7,33 +7,25 @@ import json
 
 import pytest
 import torch
-from tiny_configs import save_tiny_model_dir, tiny_gdn_model, tiny_tokenizer
+from tiny_configs import exact_hybrid_copy, save_tiny_model_dir, tiny_gdn_model, tiny_tokenizer
 from typer.testing import CliRunner
 
 from evals.hybrid_speed import measure_hybrid_speed
 from flows.cli import app
 from translators.errors import ConfigError
-from translators.hybrid import HybridTranslator, make_translator, strategies_for
+from translators.hybrid import make_translator, strategies_for
 from translators.layout import cache_layout
 from translators.stage1 import Side
-from translators.states import COPY, StateMaps, ZERO
+from translators.states import ZERO
 
 runner = CliRunner()
-
-
-def _exact_copy(layout):
-    translator = HybridTranslator(layout, layout, StateMaps(layout, layout, strategies_for(layout, COPY)))
-    with torch.no_grad():
-        for weight in translator.kv.values():
-            weight.copy_(torch.eye(weight.shape[0]))
-    return translator
 
 
 def test_stages_add_up_and_an_exact_route_picks_the_re_prefill_token():
     model = tiny_gdn_model(seed=0)
     layout = cache_layout(model)
     side = Side(model, layout)
-    routes = {"copy": _exact_copy(layout), "zero": make_translator(layout, layout, model, strategies_for(layout, ZERO))}
+    routes = {"copy": exact_hybrid_copy(layout), "zero": make_translator(layout, layout, model, strategies_for(layout, ZERO))}
     prompt = torch.randint(3, 97, (40,), generator=torch.Generator().manual_seed(0))
     rows = measure_hybrid_speed(side, side, routes, prompt, repeats=2)
     assert [r.route for r in rows] == ["copy", "zero"] and {r.n for r in rows} == {40}

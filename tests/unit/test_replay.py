@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_configs import tiny_gdn_model, tiny_model
+from tests.tiny_configs import exact_hybrid_copy, tiny_gdn_model, tiny_model
 from translators.capture import capture_hybrid
 from translators.errors import ConfigError
 from translators.hybrid import (
@@ -163,14 +163,9 @@ def test_answers_from_an_exact_translation_equal_the_targets_own_greedy_generati
     target-native answer (kvlingo's decoding loop) and transformers' own `generate` all agree."""
     from translators.generation import GenerationSettings
     from translators.hybrid import hybrid_answer
-    from translators.states import COPY
-
     model = tiny_gdn_model(seed=0)
     layout = cache_layout(model)
-    translator = HybridTranslator(layout, layout, StateMaps(layout, layout, strategies_for(layout, COPY)))
-    with torch.no_grad():
-        for weight in translator.kv.values():
-            weight.copy_(torch.eye(weight.shape[0]))
+    translator = exact_hybrid_copy(layout)
     settings = GenerationSettings(max_new_tokens=6)
     for seed in range(3):
         prompt = _ids(15 + seed, 700 + seed)
