@@ -146,7 +146,8 @@ def hybrid_routes(config: SpeedBenchConfig, source, target) -> dict:
     # Another seed than the timed prompts (as `_quick_closed_form`).
     prompts = list(prompt_of_length(target.tokenizer, FIT_SAMPLES * FIT_WINDOW, seed=config.seed + 1)
                    .view(FIT_SAMPLES, FIT_WINDOW))
-    src_caps, tgt_caps = paired_captures(source.model, source.layout, target.model, target.layout, prompts)
+    src_caps, tgt_caps = paired_captures(source.model, source.layout, target.model, target.layout, prompts,
+                                         config.point)
     if not linear_layers(target.layout):
         names = ["translated"]
     else:
@@ -155,7 +156,7 @@ def hybrid_routes(config: SpeedBenchConfig, source, target) -> dict:
     routes = {}
     for name in names:
         chosen = {} if name == "translated" else strategies_for(target.layout, name)
-        translator = make_translator(source.layout, target.layout, target.model, chosen)
+        translator = make_translator(source.layout, target.layout, target.model, chosen, config.point)
         fit_kv_maps(translator, src_caps, tgt_caps, ridge=1e-3)
         if name == REPLAY:
             fit_replay_maps(translator, target.model, src_caps, prompts, ridge=1e-3)
@@ -203,6 +204,7 @@ def _run_hybrid(config: SpeedBenchConfig, source, target, started: float) -> dic
         "source": source.name,
         "target": target.name,
         "translator": f"closed forms per state route fitted on {FIT_SAMPLES}×{FIT_WINDOW} corpus tokens",
+        "point": config.point,
         "device": str(target.model.device),
         "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
