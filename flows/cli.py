@@ -159,6 +159,9 @@ def fit(
     With --track the fit runs as the `kvlingo-fit` Prefect flow: quick benchmarks, an MLflow run in the pair's
     experiment, and registration as `<source>--<target>` (candidate; the best version becomes champion).
 
+    A pair with a linear-attention hybrid side (Gated DeltaNet) fits every state strategy it admits (zero, copy,
+    copy + correction, replay) and keeps the best on the selection conversations; --track does not take hybrids yet.
+
     Exit code 1 when training diverges (NaN/Inf loss or gradients: lower the learning rate), 2 on bad input.
     """
     from flows.fit import run_fit
