@@ -274,14 +274,7 @@ class Conversation:
         # The last generated token was not fed back, so the recorded rows stop just before it.
         count = pending.numel() + len(decoded.token_ids) - 1
         line.append(_own_objects(side, raw, start, count, self.point), start, origin=name, hops=0)
-        self._add_span(Span(start, start + count, name))
-        position = len(self.tokens)
-        self.tokens.extend(decoded.token_ids)
-        self.n_turns += 1
-        text = self.tokenizer.decode(decoded.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        turn = TurnResult(name, position, decoded.token_ids, text, decoded.stopped, read_s, decoded.decode_s)
-        self.events.append(turn)
-        return turn
+        return record_turn(self, Span(start, start + count, name), decoded, read_s)
 
     def switch_to(self, name: str) -> SwitchRecord:
         """Hand the conversation to `name`, bringing its cache line up to date by the conversation's mode.
@@ -370,11 +363,6 @@ class Conversation:
     def _written(self) -> int:
         return self.spans[-1].end if self.spans else 0
 
-    def _add_span(self, span: Span) -> None:
-        if span.end > span.start:
-            self.spans.append(span)
-            self.translation_counts[(span.start, span.end)] = 0
-
     def _name(self, name: str) -> str:
         return _model_name(self.models, name)
 
@@ -417,6 +405,22 @@ def generation_settings(tokens: Sequence[int], settings: GenerationSettings | No
     check_positions(len(tokens) + settings.max_new_tokens - 1, max_positions,
                     f"generating {settings.max_new_tokens} tokens")
     return settings
+
+
+def record_turn(conv, span: Span, decoded, read_s: float) -> TurnResult:
+    """Book a generation turn of ``conv`` (a `Conversation` or `HybridConversation`): the span its holder now
+    holds natively (counted with no translations yet), the generated tokens appended to the history, the turn
+    event. ``decoded``: the `translators.generation.Decoded` of the turn."""
+    if span.end > span.start:
+        conv.spans.append(span)
+        conv.translation_counts[(span.start, span.end)] = 0
+    position = len(conv.tokens)
+    conv.tokens.extend(decoded.token_ids)
+    conv.n_turns += 1
+    text = conv.tokenizer.decode(decoded.token_ids, skip_special_tokens=True) if conv.tokenizer is not None else None
+    turn = TurnResult(span.writer, position, decoded.token_ids, text, decoded.stopped, read_s, decoded.decode_s)
+    conv.events.append(turn)
+    return turn
 
 
 def route_switch(conv, name: str) -> SwitchRecord:

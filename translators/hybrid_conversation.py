@@ -46,6 +46,7 @@ from translators.conversation import (
     appended_ids,
     check_positions,
     generation_settings,
+    record_turn,
     route_switch,
 )
 from translators.errors import ConfigError
@@ -156,14 +157,7 @@ class HybridConversation:
             decoded = decode_from(side.model, held.cache, logits, settings)
         count = pending.numel() + len(decoded.token_ids) - 1  # the last generated token was not fed back
         self._extend_line(held, _own_objects(side, raw, start, count, self.point), count)
-        self._add_span(Span(start, start + count, name))
-        position = len(self.tokens)
-        self.tokens.extend(decoded.token_ids)
-        self.n_turns += 1
-        text = self.tokenizer.decode(decoded.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        turn = TurnResult(name, position, decoded.token_ids, text, decoded.stopped, read_s, decoded.decode_s)
-        self.events.append(turn)
-        return turn
+        return record_turn(self, Span(start, start + count, name), decoded, read_s)
 
     def switch_to(self, name: str) -> SwitchRecord:
         """Hand the conversation to `name`, bringing its cache up to date by the conversation's mode.
@@ -280,12 +274,6 @@ class HybridConversation:
     def _needs_refresh(self, name: str) -> bool:
         since = self.held[name].translated_since_turn
         return self.refresh_every is not None and since is not None and self.n_turns - since >= self.refresh_every
-
-    def _add_span(self, span: Span) -> None:
-        if span.end > span.start:
-            self.spans.append(span)
-            self.translation_counts[(span.start, span.end)] = 0
-
 
 
 def _states(cache: DynamicCache, side: Side) -> dict[str, dict[int, torch.Tensor]]:
