@@ -243,12 +243,7 @@ class HybridConversation:
             return
         replayed = [t for t, s in strategies.items() if s == REPLAY]
         for t, u in translator.replay_inputs(capture).items():
-            mixer = decoder_of(side.model).layers[t].linear_attn
-            if held.cache.get_conv_state(t) is None:  # nothing read yet: the layer starts from empty
-                conv, state = replay_mixer(side.model, t, u)
-                _write_state(held.cache, side, t, conv, state)
-            else:
-                mixer(hidden_states=u.to(next(side.model.parameters()).dtype).unsqueeze(0), cache=held.cache)
+            replay_mixer(side.model, t, u, held.cache)  # continues the receiver's own state, in place
         others = translator.states(capture.states)
         for t in strategies:
             if t in replayed:

@@ -88,16 +88,18 @@ def mixer_inputs(model: nn.Module, layers: Sequence[int], input_ids: torch.Tenso
     return store
 
 
-def replay_mixer(model: nn.Module, layer: int, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run target ``layer``'s own mixer over ``inputs`` [n_tokens, hidden] from an empty cache.
+def replay_mixer(model: nn.Module, layer: int, inputs: torch.Tensor, cache: DynamicCache | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run target ``layer``'s own mixer over ``inputs`` [n_tokens, hidden] on ``cache`` (continuing from the conv
+    window and state it holds for that layer, updated in place), or from an empty cache when None.
 
     Returns:
         (conv window [1, C, K], recurrent state [1, Hv, dk, dv]) it leaves; differentiable in ``inputs``.
     """
     dtype = next(model.parameters()).dtype
-    scratch = DynamicCache(config=model.config)
-    _mixer(model, layer)(hidden_states=inputs.to(dtype).unsqueeze(0), cache=scratch)
-    return scratch.get_conv_state(layer), scratch.get_recurrent_state(layer)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    _mixer(model, layer)(hidden_states=inputs.to(dtype).unsqueeze(0), cache=cache)
+    return cache.get_conv_state(layer), cache.get_recurrent_state(layer)
 
 
 class ReplayMaps(nn.Module):
