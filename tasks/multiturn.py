@@ -183,6 +183,7 @@ def _hybrid_translator(ref, source, target):
         ArtifactError, PairMismatchError: see `translators.hybrid_artifact.load_hybrid_translator`.
     """
     from infra.zoo import model_signature
+    from translators.hybrid import attach_token_identity
     from translators.hybrid_artifact import load_hybrid_translator
 
     if ref.kind != "path":
@@ -190,7 +191,7 @@ def _hybrid_translator(ref, source, target):
                           f"run's closed_form/ or distilled/); pass its path or the fit directory")
     translator, _ = load_hybrid_translator(ref.path, source.layout, target.layout, target.model,
                                            source=model_signature(source), target=model_signature(target))
-    return translator
+    return attach_token_identity(translator, source.model, source.layout, target.model)
 
 
 def _given_ref(text: str | None, fit_dir: Path | None, direction: str):

@@ -151,3 +151,24 @@ def exact_hybrid_copy(layout):
         for weight in translator.kv.values():
             weight.copy_(torch.eye(weight.shape[0]))
     return translator
+
+
+# Kimi-Linear hybrid: layers 0-1 Kimi Delta Attention (one conv over [q | k | v], per-channel decay), layer 2 a
+# NoPE MLA (its shared key is never rotated; Kimi-Linear has no rotary module). Dense MLPs only.
+_KDA = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16, q_lora_rank=None, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention"], mlp_layer_types=["dense"] * 3,
+            pad_token_id=0, bos_token_id=None, eos_token_id=1)
+
+
+def tiny_kda_config(**overrides):
+    from transformers import KimiLinearConfig
+
+    return KimiLinearConfig(**{**_COMMON, **_KDA, **overrides})
+
+
+def tiny_kda_model(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_kda_config(**overrides), dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    return model

@@ -1,9 +1,14 @@
-"""Closed-form translation into a hybrid target (Gated DeltaNet + attention): token-wise K/V maps for its
-attention layers, one state strategy per linear layer (`translators.states`), and its validation KL.
+"""Closed-form translation into a hybrid target (Gated DeltaNet or Kimi Delta Attention + attention): token-wise
+maps for the per-token objects of its attention layers, one state strategy per linear layer (`translators.states`),
+and its validation KL.
 
 Target attention layers read the source attention layer at the nearest relative depth among attention layers
-(ν = 1, maps between layers of the same kind only); each map is the ridge least-squares solution from fp64
-Gram statistics of paired captures (source and target reading the same conversation), fp32 afterwards.
+(ν = 1); each map is the ridge least-squares solution from fp64 Gram statistics of paired captures (source and
+target reading the same conversation), fp32 afterwards. A target object the source layer also holds reads that
+object (keys ← keys, an MLA latent ← latent); any other reads all the source layer's per-token objects side by
+side (GQA → MLA: [keys | values] → latent and → rotary key; MLA → GQA the reverse), as `objects.object_inputs`.
+With token identity (`translators.token_identity`, a shared tokenizer) every map, the replay maps included, also
+reads the target's input embedding of each token's id.
 """
 
 from __future__ import annotations
@@ -26,7 +31,22 @@ from translators.stage1 import ValidationKL
 from translators.replay import ReplayFit, ReplayMaps, fit_replay, mixer_inputs, replay_mixer, token_layers
 from translators.states import CONV, REPLAY, STATE, StateMaps, fit_corrections
 
-TOKEN_OBJECTS = ("keys", "values")
+def layer_map_inputs(source: CacheLayout, source_layer: int, target: CacheLayout, target_layer: int
+                     ) -> dict[str, tuple[str, ...]]:
+    """{target object: the source objects its map reads} for one target attention layer and its source layer."""
+    from translators.objects import CacheObject, layer_objects
+
+    src = tuple(obj.name for obj in layer_objects(source, source_layer)
+                if isinstance(obj, CacheObject) and obj.slot in ("keys", "values"))
+    return {obj.name: (obj.name,) if obj.name in src else src
+            for obj in layer_objects(target, target_layer) if isinstance(obj, CacheObject)}
+
+
+def _object_widths(layout: CacheLayout, layer: int) -> dict[str, int]:
+    from translators.objects import CacheObject, layer_objects
+
+    return {obj.name: obj.width(layout.layers[layer]) for obj in layer_objects(layout, layer)
+            if isinstance(obj, CacheObject)}
 
 
 def attention_layers(layout: CacheLayout) -> list[int]:
@@ -56,15 +76,22 @@ def assign_attention_layers(source: CacheLayout, target: CacheLayout) -> dict[in
 class HybridTranslator(nn.Module):
     """Translates a source `HybridCapture` into a hybrid target's cache objects.
 
-    ``kv``: fp32 maps ``<object>_<target layer>`` [d_tgt, d_src] for keys and values of every target attention
-    layer (zero until `fit_kv_maps`); ``states``: the `StateMaps` of the target's linear layers; ``replay``: the
-    `ReplayMaps` of the layers whose strategy is ``replay`` (None without any).
+    ``kv``: fp32 maps ``<object>_<target layer>`` [width_tgt, d_in] for every per-token object of every target
+    attention layer (zero until `fit_kv_maps`), reading ``inputs[t][object]`` of the assigned source layer (and
+    the token embedding last, with token identity); ``states``: the `StateMaps` of the target's linear layers;
+    ``replay``: the `ReplayMaps` of the layers whose strategy is ``replay`` (None without any);
+    ``token_identity``: None, "ids" or "codebook", whose `TokenIdentity` module (``token_module``, rebuilt for the
+    loaded pair, never saved) `attach_token_identity` sets.
     """
 
     def __init__(self, source: CacheLayout, target: CacheLayout, states: StateMaps, point: str = "pre_norm",
-                 replay: ReplayMaps | None = None):
-        """Raises ConfigError: see `assign_attention_layers`; ``replay`` missing, or covering other layers than
-        the ones ``states`` marks ``replay``."""
+                 replay: ReplayMaps | None = None, token_identity: str | None = None, token_width: int = 0):
+        """Args:
+            token_width: the target's embedding width (with token identity).
+        Raises ConfigError: see `assign_attention_layers`; ``replay`` missing, or covering other layers than
+        the ones ``states`` marks ``replay``; an unknown token identity, or one without its width."""
+        from translators.token_identity import check_variant
+
         super().__init__()
         self.point = point
         self.attention_assignment = assign_attention_layers(source, target)
@@ -75,19 +102,28 @@ class HybridTranslator(nn.Module):
             raise ConfigError(f"layers {replayed} use the {REPLAY!r} strategy but the replay maps cover {covered}; "
                               f"build ReplayMaps for exactly those layers")
         self.replay = replay
-        self.kv = nn.ParameterDict({
-            f"{name}_{t}": nn.Parameter(torch.zeros(target.layers[t].kv.width, source.layers[s].kv.width))
-            for t, s in self.attention_assignment.items() for name in TOKEN_OBJECTS})
+        self.token_identity = check_variant(token_identity)
+        if (token_identity is None) != (token_width == 0):
+            raise ConfigError("token identity needs the target's embedding width (token_width), and only it")
+        self.token_module = None
+        self.token_width = token_width
+        self.inputs = {t: layer_map_inputs(source, s, target, t) for t, s in self.attention_assignment.items()}
+        self.kv = nn.ParameterDict()
+        for t, s in self.attention_assignment.items():
+            have, want = _object_widths(source, s), _object_widths(target, t)
+            for name, reads in self.inputs[t].items():
+                self.kv[f"{name}_{t}"] = nn.Parameter(torch.zeros(want[name], sum(have[r] for r in reads) + token_width))
 
     def forward(self, capture: HybridCapture, target_model: nn.Module | None = None
                 ) -> tuple[dict[str, dict[int, torch.Tensor]], dict[str, dict[int, torch.Tensor]]]:
-        """(tokens, states) for `write_hybrid_cache`: target K/V [n_tokens, d_tgt] per attention layer at
-        `point`, conv windows and recurrent states per linear layer.
+        """(tokens, states) for `write_hybrid_cache`: the target's per-token objects [n_tokens, width] per
+        attention layer at `point`, conv windows and recurrent states per linear layer.
 
         Args:
             target_model: the target, whose own mixers the replayed layers run (needed only with replay layers).
         Raises:
-            ConfigError: the capture was taken at another capture point; replay layers without ``target_model``.
+            ConfigError: the capture was taken at another capture point; replay layers without ``target_model``;
+                token identity without its module (`attach_token_identity`).
         """
         if capture.point != self.point:
             raise ConfigError(f"the translator reads captures at {self.point!r}, got one at {capture.point!r}")
@@ -95,14 +131,35 @@ class HybridTranslator(nn.Module):
             raise ConfigError("replayed layers run the target's own mixers: pass target_model")
         return self.map_tokens(capture), self.synthesise_states(capture, target_model, self.replay_inputs(capture))
 
+    def token_embeddings(self, capture: HybridCapture) -> torch.Tensor | None:
+        """[n_tokens, d_model] target embeddings of the captured tokens' ids (None without token identity).
+
+        Raises:
+            ConfigError: token identity without its module.
+        """
+        if self.token_identity is None:
+            return None
+        if self.token_module is None:
+            raise ConfigError(f"this translator reads token identity ({self.token_identity!r}): attach it for the "
+                              "loaded pair first (translators.hybrid.attach_token_identity)")
+        return self.token_module.embed(self.token_module.ids(capture.tokens, capture.token_ids))
+
     def map_tokens(self, capture: HybridCapture) -> dict[str, dict[int, torch.Tensor]]:
-        """Target K/V {object: {attention layer: [n_tokens, d_tgt]}} from the source's per-token objects."""
-        return {name: {t: capture.tokens[name][s] @ self.kv[f"{name}_{t}"].T.to(capture.tokens[name][s].dtype)
-                       for t, s in self.attention_assignment.items()} for name in TOKEN_OBJECTS}
+        """Target objects {object: {attention layer: [n_tokens, width_tgt]}} from the source's per-token objects."""
+        extra = self.token_embeddings(capture)
+        out: dict[str, dict[int, torch.Tensor]] = {}
+        for t, s in self.attention_assignment.items():
+            for name, reads in self.inputs[t].items():
+                parts = [capture.tokens[r][s] for r in reads]
+                x = torch.cat(parts + ([extra.to(parts[0].dtype)] if extra is not None else []), dim=-1)
+                out.setdefault(name, {})[t] = x @ self.kv[f"{name}_{t}"].T.to(x.dtype)
+        return out
 
     def replay_inputs(self, capture: HybridCapture) -> dict[int, torch.Tensor]:
         """The replayed layers' predicted mixer inputs {layer: [n_tokens, hidden]} ({} without replay layers)."""
-        return self.replay.inputs(capture.tokens) if self.replay is not None else {}
+        if self.replay is None:
+            return {}
+        return self.replay.inputs(capture.tokens, self.token_embeddings(capture))
 
     def synthesise_states(self, capture: HybridCapture, target_model: nn.Module | None,
                           inputs: dict[int, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
@@ -114,14 +171,34 @@ class HybridTranslator(nn.Module):
         return states
 
 
+def attach_token_identity(translator: HybridTranslator, source_model: nn.Module, source: CacheLayout,
+                          target_model: nn.Module) -> HybridTranslator:
+    """Give a translator that reads token identity its module for this loaded pair (no-op otherwise).
+
+    Raises:
+        ConfigError: the codebook variant with a source whose layer 0 holds no per-token object.
+        PairMismatchError: the target's embedding width is not the one the maps were fitted with.
+    """
+    from translators.errors import PairMismatchError
+    from translators.token_identity import make_token_identity
+
+    if translator.token_identity is None:
+        return translator
+    module = make_token_identity(translator.token_identity, source_model, source, target_model, translator.point)
+    expected = target_model.get_input_embeddings().embedding_dim
+    if module.width != expected:
+        raise PairMismatchError(f"the maps read a token embedding of width {expected}, the target's is {module.width}")
+    translator.token_module = module
+    return translator
+
+
 @dataclass(frozen=True)
 class KVFit:
-    """Held-out R² of one target attention layer's K and V maps (1 − residual / variance)."""
+    """Held-out R² of one target attention layer's maps (1 − residual / variance), per target object."""
 
     layer: int
     source_layer: int
-    r2_keys: float
-    r2_values: float
+    r2: dict[str, float]
 
 
 def _r2(predicted: torch.Tensor, target: torch.Tensor) -> float:
@@ -131,7 +208,7 @@ def _r2(predicted: torch.Tensor, target: torch.Tensor) -> float:
 
 def fit_kv_maps(translator: HybridTranslator, source: Sequence[HybridCapture], target: Sequence[HybridCapture], *,
                 ridge: float = 1e-4, n_heldout: int = 0) -> list[KVFit]:
-    """Fit every attention map of ``translator`` in closed form (ridge, fp64 Gram statistics), in place.
+    """Fit every attention-layer map of ``translator`` in closed form (ridge, fp64 Gram statistics), in place.
 
     Args:
         source, target: paired captures of the same conversations (same token ids) at the translator's point.
@@ -139,7 +216,7 @@ def fit_kv_maps(translator: HybridTranslator, source: Sequence[HybridCapture], t
     Returns:
         one KVFit per target attention layer.
     Raises:
-        ConfigError: unequal or unpaired captures, none left to fit.
+        ConfigError: unequal or unpaired captures, none left to fit; token identity without its module.
     """
     if len(source) != len(target):
         raise ConfigError(f"{len(source)} source captures but {len(target)} target captures")
@@ -149,37 +226,44 @@ def fit_kv_maps(translator: HybridTranslator, source: Sequence[HybridCapture], t
     for i, (s, t) in enumerate(zip(source, target)):
         if not torch.equal(s.token_ids, t.token_ids):
             raise ConfigError(f"capture pair {i} read different tokens: pair captures of the same conversation")
+    extras = [translator.token_embeddings(c) for c in source]
     fits = []
     for t, s in translator.attention_assignment.items():
         r2 = {}
-        for name in TOKEN_OBJECTS:
-            x = [c.tokens[name][s].double() for c in source]
+        for name, reads in translator.inputs[t].items():
+            x = [torch.cat([c.tokens[r][s] for r in reads] + ([e] if e is not None else []), dim=-1).double()
+                 for c, e in zip(source, extras)]
             y = [c.tokens[name][t].double() for c in target]
             gram = sum(a.T @ a for a in x[:n_fit])
             cross = sum(a.T @ b for a, b in zip(x[:n_fit], y[:n_fit]))
-            weights = ridge_solve(gram, cross, ridge)  # [d_src, d_tgt]
+            weights = ridge_solve(gram, cross, ridge)  # [d_in, width_tgt]
             with torch.no_grad():
                 translator.kv[f"{name}_{t}"].copy_(weights.T.float())
             scored = slice(n_fit, None) if n_heldout else slice(None)
             r2[name] = _r2(torch.cat(x[scored]) @ weights, torch.cat(y[scored]))
-        fits.append(KVFit(layer=t, source_layer=s, r2_keys=r2["keys"], r2_values=r2["values"]))
+        fits.append(KVFit(layer=t, source_layer=s, r2=r2))
     return fits
 
 
 def make_translator(source: CacheLayout, target: CacheLayout, target_model: nn.Module, strategies: dict[int, str],
-                    point: str = "pre_norm", replay_nu: int | None = None) -> HybridTranslator:
+                    point: str = "pre_norm", replay_nu: int | None = None, token_identity: str | None = None
+                    ) -> HybridTranslator:
     """An unfitted translator with the given strategy per target linear layer; replayed layers read ``replay_nu``
     source token layers (`translators.replay.replay_sources`; default 2, or 1 when the source has one: a GDN
-    hybrid holds per-token objects only in its attention layers).
+    hybrid holds per-token objects only in its attention layers). With ``token_identity`` ("ids" or
+    "codebook") every map also reads the target's embedding of each token; attach its module before use
+    (`attach_token_identity`).
 
     Raises:
-        ConfigError: see `StateMaps`, `ReplayMaps`, `assign_attention_layers`.
+        ConfigError: see `StateMaps`, `ReplayMaps`, `assign_attention_layers`, `token_identity.check_variant`.
     """
     replayed = [t for t, s in strategies.items() if s == REPLAY]
     nu = replay_nu or min(2, len(token_layers(source)))
-    replay = (ReplayMaps(source, target, replayed, target_model.config.hidden_size, nu=nu)
+    width = target_model.get_input_embeddings().embedding_dim if token_identity else 0
+    replay = (ReplayMaps(source, target, replayed, target_model.config.hidden_size, nu=nu, extra_width=width)
               if replayed else None)
-    return HybridTranslator(source, target, StateMaps(source, target, strategies), point, replay)
+    return HybridTranslator(source, target, StateMaps(source, target, strategies), point, replay, token_identity,
+                            width)
 
 
 def fit_replay_maps(translator: HybridTranslator, target_model: nn.Module, source: Sequence[HybridCapture],
@@ -193,7 +277,9 @@ def fit_replay_maps(translator: HybridTranslator, target_model: nn.Module, sourc
     if translator.replay is None:
         raise ConfigError("the translator replays no linear layer: nothing to fit")
     inputs = [mixer_inputs(target_model, list(translator.replay.sources), p) for p in prompts]
-    return fit_replay(translator.replay, [c.tokens for c in source], inputs, ridge=ridge, n_heldout=n_heldout)
+    extras = [translator.token_embeddings(c) for c in source]
+    return fit_replay(translator.replay, [c.tokens for c in source], inputs, ridge=ridge, n_heldout=n_heldout,
+                      extras=extras)
 
 
 def random_like(translator: HybridTranslator, seed: int = 0) -> HybridTranslator:
@@ -416,7 +502,9 @@ def select_corrections(source_model: nn.Module, source: CacheLayout, target_mode
             if strategy == CORRECTED:
                 m = corrected.states.maps
                 maps.set_correction(t, m[f"left_{t}"], m[f"right_{t}"], m[f"conv_weight_{t}"], m[f"conv_bias_{t}"])
-        translator = HybridTranslator(source, target, maps, corrected.point)
+        translator = HybridTranslator(source, target, maps, corrected.point,
+                                      token_identity=corrected.token_identity, token_width=corrected.token_width)
+        translator.token_module = corrected.token_module
         translator.kv.load_state_dict(corrected.kv.state_dict())
         return translator
 

@@ -1,8 +1,9 @@
 """Hybrid translator artifacts: `weights.safetensors` + `manifest.json`, as `translators.artifact` (never pickle).
 
 A `translators.hybrid.HybridTranslator` is rebuilt from its manifest: the state strategy of each target linear
-layer, the capture point and the replay maps' ν; the layer assignments are recomputed from the loaded pair's
-layouts and must equal the recorded ones. Loading verifies the weights' sha256 and refuses a translator fitted
+layer, the capture point, the replay maps' ν and the token-identity variant (whose module, the target's embedding
+and the source's codebook, is rebuilt for the loaded pair with `translators.hybrid.attach_token_identity`, never
+saved); the layer assignments are recomputed from the loaded pair's layouts and must equal the recorded ones. Loading verifies the weights' sha256 and refuses a translator fitted
 for another pair, naming the first field of the model signatures that differs.
 """
 
@@ -62,6 +63,7 @@ def save_hybrid_translator(translator: HybridTranslator, directory: str | Path, 
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **_structure(translator),
         "replay_nu": None if replay is None else len(next(iter(replay.sources.values()))),
+        "token_identity": translator.token_identity,
         "pair": {"source": source, "target": target},
         "fit": fit,
         "weights_sha256": hashlib.sha256(weights).hexdigest(),
@@ -74,7 +76,8 @@ def save_hybrid_translator(translator: HybridTranslator, directory: str | Path, 
 def load_hybrid_translator(directory: str | Path, source_layout: CacheLayout, target_layout: CacheLayout,
                            target_model: nn.Module, *, source: dict[str, Any] | None = None,
                            target: dict[str, Any] | None = None) -> tuple[HybridTranslator, dict[str, Any]]:
-    """Load and verify a hybrid translator artifact for the loaded pair.
+    """Load and verify a hybrid translator artifact for the loaded pair (with token identity, attach its module
+    before use: `translators.hybrid.attach_token_identity`).
 
     Args:
         source_layout, target_layout, target_model: the pair it is used with (the replay maps' width is the
@@ -93,7 +96,7 @@ def load_hybrid_translator(directory: str | Path, source_layout: CacheLayout, ta
             check_signature(manifest["pair"][role], given, role)
     strategies = {int(t): s for t, s in manifest["strategies"].items()}
     translator = make_translator(source_layout, target_layout, target_model, strategies, manifest["point"],
-                                 manifest["replay_nu"])
+                                 manifest["replay_nu"], manifest["token_identity"])
     rebuilt = _structure(translator)
     recorded = {key: manifest[key] for key in rebuilt}
     if rebuilt != recorded:

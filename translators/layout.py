@@ -56,6 +56,7 @@ class MLALatent:
     rope_dim: int  # qk_rope_head_dim
     interleaved: bool  # RoPE on interleaved feature pairs (DeepSeek's layout) instead of half-split
     rope: tuple[tuple[str, Any], ...]
+    rotary: bool = True  # False: NoPE MLA (Kimi-Linear), the shared key is never rotated
     attention: str = GLOBAL
     window: int | None = None
     kind: str = "mla_latent"
@@ -74,7 +75,7 @@ class IndexerKeys:
 
 @dataclass(frozen=True)
 class RecurrentState:
-    """The recurrent state of one linear-attention layer (Gated DeltaNet): one key_dim x value_dim matrix per
+    """The recurrent state of one linear-attention layer (Gated DeltaNet, Kimi Delta Attention): one key_dim x value_dim matrix per
     value head, [batch, n_heads, key_dim, value_dim], the engine's state after the whole prompt. It has no token
     axis: it is captured from the engine cache (the final state) and written back as a whole."""
 
@@ -221,15 +222,13 @@ def missing_parts(model: nn.Module) -> list[str]:
         decoder = decoder_of(model)
     except UnsupportedModelError as err:
         return [str(err)]
-    if not hasattr(decoder, "rotary_emb"):
-        missing.append("a rotary embedding module (decoder.rotary_emb): only RoPE models are supported")
     for i, layer in enumerate(decoder.layers):
         linear = getattr(layer, "linear_attn", None)
-        if linear is not None:
-            if not _is_gated_deltanet(linear):
-                missing.append(f"layer {i}: {type(linear).__name__} is not a Gated DeltaNet layer (only GDN linear "
-                               "attention is supported)")
-                break
+        if linear is not None and not _is_gated_deltanet(linear):
+            missing.append(f"layer {i}: {type(linear).__name__} is not a Gated DeltaNet layer (the linear attention "
+                           "supported is Gated DeltaNet and Kimi Delta Attention)")
+            break
+        if linear_mixer(layer) is not None:
             continue
         attn = getattr(layer, "self_attn", None)
         if attn is None:
@@ -239,6 +238,9 @@ def missing_parts(model: nn.Module) -> list[str]:
         for part in parts:
             if not isinstance(getattr(attn, part, None), nn.Module):
                 missing.append(f"layer {i}: separate `self_attn.{part}` projection (fused QKV is not supported)")
+        # Only an MLA without a rotary module is position-free (Kimi-Linear's NoPE MLA); GQA keys are rotated.
+        if not _is_mla(attn) and not hasattr(decoder, "rotary_emb"):
+            missing.append("a rotary embedding module (decoder.rotary_emb): GQA attention is supported with RoPE only")
         if missing:
             break
     return missing
@@ -261,10 +263,10 @@ def cache_layout(model: nn.Module) -> CacheLayout:
     layers = []
     for i, layer in enumerate(decoder.layers):
         rope = tuple(sorted((k, v) for k, v in _rope_parameters(config, types[i]).items() if _jsonable(v)))
-        if getattr(layer, "linear_attn", None) is not None:
-            objects = _linear_objects(layer.linear_attn)
+        if linear_mixer(layer) is not None:
+            objects = _linear_objects(linear_mixer(layer))
         elif _is_mla(layer.self_attn):
-            objects = _mla_objects(layer.self_attn, config, rope)
+            objects = _mla_objects(layer.self_attn, config, rope, rotary=hasattr(decoder, "rotary_emb"))
         else:
             objects = (_attention_kv(layer.self_attn, config, types[i], rope),)
         layers.append(LayerLayout(index=i, layer_type=types[i], objects=objects))
@@ -272,6 +274,7 @@ def cache_layout(model: nn.Module) -> CacheLayout:
 
 
 _GDN_PARTS = ("num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "conv_dim", "conv_kernel_size")
+_KDA_PARTS = ("num_heads", "head_dim", "conv_dim", "conv_kernel_size", "forget_gate")
 
 
 def _is_gated_deltanet(linear: nn.Module) -> bool:
@@ -279,8 +282,31 @@ def _is_gated_deltanet(linear: nn.Module) -> bool:
     return all(hasattr(linear, part) for part in _GDN_PARTS)
 
 
+def is_kimi_delta(mixer: nn.Module) -> bool:
+    """A Kimi Delta Attention mixer (Kimi-Linear's linear layers, held as `self_attn`): per-channel decay
+    (`forget_gate`), one conv over [q | k | v], as many key as value heads."""
+    return all(hasattr(mixer, part) for part in _KDA_PARTS)
+
+
+def linear_mixer(decoder_layer: nn.Module) -> nn.Module | None:
+    """The decoder layer's linear-attention mixer, or None for an attention layer.
+
+    Qwen3.5 / Qwen3-Next keep Gated DeltaNet as `linear_attn`; Kimi-Linear keeps Kimi Delta Attention in the
+    `self_attn` slot its attention layers use. Both are called as `mixer(hidden_states=..., cache=...)`.
+    """
+    linear = getattr(decoder_layer, "linear_attn", None)
+    if linear is not None:
+        return linear
+    attn = getattr(decoder_layer, "self_attn", None)
+    return attn if attn is not None and is_kimi_delta(attn) else None
+
+
 def _linear_objects(linear: nn.Module) -> tuple[RecurrentState, ConvWindow]:
-    """Recurrent state [Hv, dk, dv] and conv window [2 Hk dk + Hv dv, K] of a Gated DeltaNet layer."""
+    """Recurrent state [Hv, dk, dv] and conv window [C, K] of a linear-attention layer: GDN's C = 2 Hk dk + Hv dv,
+    KDA's C = 3 H d with dk = dv = d (its state is fp32 in the engine whatever the model's dtype)."""
+    if is_kimi_delta(linear):
+        return (RecurrentState(n_heads=linear.num_heads, key_dim=linear.head_dim, value_dim=linear.head_dim),
+                ConvWindow(channels=linear.conv_dim, kernel=linear.conv_kernel_size))
     return (RecurrentState(n_heads=linear.num_v_heads, key_dim=linear.head_k_dim, value_dim=linear.head_v_dim),
             ConvWindow(channels=linear.conv_dim, kernel=linear.conv_kernel_size))
 
@@ -309,13 +335,15 @@ def _attention_kv(attn: nn.Module, config, layer_type: str, rope: tuple) -> Atte
     )
 
 
-def _mla_objects(attn: nn.Module, config, rope: tuple) -> tuple[CacheObjectKind, ...]:
-    """MLA latent (+ the indexer's keys on a DSA layer). DeepSeek-V3.2 always rotates interleaved pairs."""
+def _mla_objects(attn: nn.Module, config, rope: tuple, *, rotary: bool) -> tuple[CacheObjectKind, ...]:
+    """MLA latent (+ the indexer's keys on a DSA layer). DeepSeek-V3.2 always rotates interleaved pairs;
+    ``rotary`` False: a NoPE MLA (Kimi-Linear), whose shared key is cached as projected."""
     latent = MLALatent(
         kv_lora_rank=attn.kv_lora_rank,
         rope_dim=attn.qk_rope_head_dim,
-        interleaved=bool(getattr(config, "rope_interleave", True)),
-        rope=rope,
+        interleaved=bool(getattr(config, "rope_interleave", True)) and rotary,
+        rope=rope if rotary else (),
+        rotary=rotary,
     )
     indexer = getattr(attn, "indexer", None)
     if indexer is None:

@@ -54,13 +54,16 @@ def _modeling(model: nn.Module, layer: int):
 def rotate_rope_key(
     model: nn.Module, layout: CacheLayout, layer: int, k_pe: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """② → ③ for the shared rotary key: the model's RoPE (interleaved or half-split, as it is configured).
+    """② → ③ for the shared rotary key: the model's RoPE (interleaved or half-split, as it is configured); the
+    identity for a NoPE MLA (Kimi-Linear caches the key as projected).
 
     Args:
         k_pe: [n_tokens, qk_rope_head_dim]. positions: [n_tokens] integer positions.
     Returns:
         [n_tokens, qk_rope_head_dim].
     """
+    if not mla_object(layout, layer).rotary:
+        return k_pe
     heads = k_pe.view(1, 1, *k_pe.shape)  # [1, 1 head, n, rope]
     cos, sin = _cos_sin(model, heads, positions)
     modeling = _modeling(model, layer)
@@ -75,8 +78,11 @@ def unrotate_rope_key(
     """③ → ② for the shared rotary key, exactly: rotation by the opposite angles (sin → −sin).
 
     Interleaved RoPE permutes the features to half-split order before rotating, so the inverse rotates back
-    with −sin and then undoes that permutation. [n_tokens, qk_rope_head_dim] → same.
+    with −sin and then undoes that permutation; a NoPE MLA's key is returned as it is.
+    [n_tokens, qk_rope_head_dim] → same.
     """
+    if not mla_object(layout, layer).rotary:
+        return k_pe
     heads = k_pe.view(1, 1, *k_pe.shape)
     cos, sin = _cos_sin(model, heads, positions)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [1, 1, n, rope]

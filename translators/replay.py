@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from translators.errors import ConfigError, UnsupportedModelError
-from translators.layout import LINEAR, CacheLayout
+from translators.layout import LINEAR, CacheLayout, decoder_of, linear_mixer
 from translators.solve import ridge_solve
 from translators.states import CONV, STATE
 
@@ -57,13 +57,15 @@ def replay_sources(source: CacheLayout, target: CacheLayout, layers: Sequence[in
 
 
 def _mixer(model: nn.Module, layer: int) -> nn.Module:
-    from translators.capture import decoder_of
+    """Layer ``layer``'s linear-attention mixer (`translators.layout.linear_mixer`).
 
-    decoder_layer = decoder_of(model).layers[layer]
-    mixer = getattr(decoder_layer, "linear_attn", None)
+    Raises:
+        UnsupportedModelError: the layer has none.
+    """
+    mixer = linear_mixer(decoder_of(model).layers[layer])
     if mixer is None:
-        raise UnsupportedModelError(f"layer {layer} of {type(model).__name__} has no `linear_attn` mixer to replay "
-                                    f"(replay supports Gated DeltaNet hybrids: Qwen3.5 / Qwen3-Next)")
+        raise UnsupportedModelError(f"layer {layer} of {type(model).__name__} has no linear-attention mixer to replay "
+                                    f"(replay supports Gated DeltaNet and Kimi Delta Attention layers)")
     return mixer
 
 
@@ -105,13 +107,17 @@ def replay_mixer(model: nn.Module, layer: int, inputs: torch.Tensor, cache: Dyna
 class ReplayMaps(nn.Module):
     """The replay maps of a hybrid target's replayed linear layers.
 
-    ``weight_<t>`` [hidden_t, d_in + 1] fp32, zero until `fit_replay`; ``sources[t]``: the source layers it reads.
+    ``weight_<t>`` [hidden_t, d_in + extra_width + 1] fp32, zero until `fit_replay`; ``sources[t]``: the source
+    layers it reads; ``extra_width``: columns appended per token after the source objects (token identity's
+    target embedding), 0 without.
     """
 
-    def __init__(self, source: CacheLayout, target: CacheLayout, layers: Sequence[int], hidden: int, nu: int = 2):
+    def __init__(self, source: CacheLayout, target: CacheLayout, layers: Sequence[int], hidden: int, nu: int = 2,
+                 extra_width: int = 0):
         """Args:
             layers: the target linear layers to replay.
             hidden: the target's residual-stream width (its mixers' input width, ``config.hidden_size``).
+            extra_width: see the class docstring.
         Raises:
             ConfigError: a layer that is not linear in the target; see `replay_sources`.
         """
@@ -125,24 +131,30 @@ class ReplayMaps(nn.Module):
         widths = {s: sum(obj.width(source.layers[s]) for obj in layer_objects(source, s) if isinstance(obj, CacheObject))
                   for s in token_layers(source)}  # the per-token objects of each source layer, concatenated
         self.weights = nn.ParameterDict({
-            str(t): nn.Parameter(torch.zeros(hidden, sum(widths[s] for s in srcs) + 1))
+            str(t): nn.Parameter(torch.zeros(hidden, sum(widths[s] for s in srcs) + extra_width + 1))
             for t, srcs in self.sources.items()})
 
-    def features(self, tokens: Mapping[str, Mapping[int, torch.Tensor]], layer: int) -> torch.Tensor:
-        """[n_tokens, d_in + 1]: the source objects target ``layer`` reads, concatenated, and a ones column."""
+    def features(self, tokens: Mapping[str, Mapping[int, torch.Tensor]], layer: int,
+                 extra: torch.Tensor | None = None) -> torch.Tensor:
+        """[n_tokens, d_in + extra_width + 1]: the source objects target ``layer`` reads, concatenated, then
+        ``extra`` ([n_tokens, extra_width], e.g. token embeddings) and a ones column."""
         parts = [xs[s] for s in self.sources[layer] for xs in tokens.values() if s in xs]
+        if extra is not None:
+            parts.append(extra.to(parts[0].dtype))
         x = torch.cat(parts, dim=-1)
         return torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=-1)
 
-    def inputs(self, tokens: Mapping[str, Mapping[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    def inputs(self, tokens: Mapping[str, Mapping[int, torch.Tensor]], extra: torch.Tensor | None = None
+               ) -> dict[int, torch.Tensor]:
         """Predicted normalised mixer inputs {layer: [n_tokens, hidden]} from the source's per-token objects."""
-        return {t: (lambda x: x @ self.weights[str(t)].T.to(x.dtype))(self.features(tokens, t)) for t in self.sources}
+        return {t: (lambda x: x @ self.weights[str(t)].T.to(x.dtype))(self.features(tokens, t, extra))
+                for t in self.sources}
 
-    def forward(self, tokens: Mapping[str, Mapping[int, torch.Tensor]], target_model: nn.Module
-                ) -> dict[str, dict[int, torch.Tensor]]:
+    def forward(self, tokens: Mapping[str, Mapping[int, torch.Tensor]], target_model: nn.Module,
+                extra: torch.Tensor | None = None) -> dict[str, dict[int, torch.Tensor]]:
         """The replayed layers' conv windows [1, C, K] and states [1, Hv, dk, dv], {kind: {layer: tensor}}."""
         out: dict[str, dict[int, torch.Tensor]] = {CONV: {}, STATE: {}}
-        for t, u in self.inputs(tokens).items():
+        for t, u in self.inputs(tokens, extra).items():
             out[CONV][t], out[STATE][t] = replay_mixer(target_model, t, u)
         return out
 
@@ -158,12 +170,14 @@ class ReplayFit:
 
 def fit_replay(maps: ReplayMaps, source_tokens: Sequence[Mapping[str, Mapping[int, torch.Tensor]]],
                target_inputs: Sequence[Mapping[int, torch.Tensor]], *, ridge: float = 1e-4,
-               n_heldout: int = 0) -> list[ReplayFit]:
+               n_heldout: int = 0, extras: Sequence[torch.Tensor | None] | None = None) -> list[ReplayFit]:
     """Fit every replay map in closed form (ridge on fp64 Gram statistics), in place.
 
     Args:
         source_tokens: per conversation, the source capture's per-token objects (`HybridCapture.tokens`).
         target_inputs: per conversation, the target's native `mixer_inputs` over the same tokens.
+        extras: per conversation, the columns appended after the source objects ([n_tokens, extra_width]: token
+            embeddings), or None without.
         n_heldout: the last n conversations score the fit (R²) instead of entering it; 0 scores on the fitted ones.
     Raises:
         ConfigError: unequal counts, token counts that differ within a pair, or none left to fit.
@@ -175,7 +189,8 @@ def fit_replay(maps: ReplayMaps, source_tokens: Sequence[Mapping[str, Mapping[in
         raise ConfigError(f"{len(source_tokens)} paired captures leave none to fit after holding out {n_heldout}")
     fits = []
     for t, srcs in maps.sources.items():
-        x = [maps.features(tokens, t).double() for tokens in source_tokens]  # each [n_tokens, d_in + 1]
+        appended = extras if extras is not None else [None] * len(source_tokens)
+        x = [maps.features(tokens, t, e).double() for tokens, e in zip(source_tokens, appended)]  # [n_tokens, d_in + 1]
         y = [inputs[t].double() for inputs in target_inputs]  # each [n_tokens, hidden]
         for i, (a, b) in enumerate(zip(x, y)):
             if len(a) != len(b):

@@ -319,35 +319,31 @@ def read_metric(model: nn.Module, layout: CacheLayout, prompts: Sequence[torch.T
     ([Hv, dk, dk] fp64), with q̂, k̂ the l2-normalised queries and keys of value head h (the output reads S^T q̂,
     the delta-rule update S^T k̂).
 
-    Recomputed from the layer's own projection, causal conv and SiLU (hooks on ``in_proj_qkv``).
+    Recomputed from the layer's own projections, causal conv and SiLU over its input (a pre-hook on the mixer).
     """
     import torch.nn.functional as F
 
-    from translators.layout import decoder_of
+    from translators.layout import decoder_of, linear_mixer
 
     layers = linear_layers(layout)
-    mixers = {i: decoder_of(model).layers[i].linear_attn for i in layers}
-    raw: dict[int, torch.Tensor] = {}  # layer → [n_tokens, C] pre-conv projections of the current prompt
+    mixers = {i: linear_mixer(decoder_of(model).layers[i]) for i in layers}
+    inputs: dict[int, torch.Tensor] = {}  # layer → [n_tokens, hidden] mixer input of the current prompt
     sums = {i: 0.0 for i in layers}
     count = 0
     hooks = []
     try:
         for i in layers:
-            hooks.append(mixers[i].in_proj_qkv.register_forward_hook(_keep_output(raw, i)))
+            hooks.append(mixers[i].register_forward_pre_hook(_keep_input(inputs, i), with_kwargs=True))
         with torch.no_grad():
             for ids in prompts:
                 model(input_ids=ids.view(1, -1).to(model.device), use_cache=False, logits_to_keep=1)
                 for i in layers:
                     mixer = mixers[i]
-                    x = raw[i].T.unsqueeze(0)  # [1, C, n]
+                    x = _pre_conv(mixer, inputs[i]).T.unsqueeze(0)  # [1, C, n]
                     n = x.shape[-1]
                     conv = F.silu(F.conv1d(x, mixer.conv1d.weight, mixer.conv1d.bias, padding=mixer.conv_kernel_size - 1,
                                            groups=mixer.conv_dim)[..., :n])[0].T  # [n, C]
-                    q = conv[:, :mixer.key_dim].reshape(n, mixer.num_k_heads, mixer.head_k_dim)
-                    k = conv[:, mixer.key_dim:2 * mixer.key_dim].reshape(n, mixer.num_k_heads, mixer.head_k_dim)
-                    repeat = mixer.num_v_heads // mixer.num_k_heads
-                    q = F.normalize(q.double(), dim=-1, eps=1e-6).repeat_interleave(repeat, dim=1)
-                    k = F.normalize(k.double(), dim=-1, eps=1e-6).repeat_interleave(repeat, dim=1)
+                    q, k = (F.normalize(part.double(), dim=-1, eps=1e-6) for part in _queries_keys(mixer, conv))
                     sums[i] = sums[i] + torch.einsum("nhi,nhj->hij", q, q) + torch.einsum("nhi,nhj->hij", k, k)
                 count += int(ids.numel())
     finally:
@@ -356,10 +352,34 @@ def read_metric(model: nn.Module, layout: CacheLayout, prompts: Sequence[torch.T
     return {i: sums[i] / max(count, 1) for i in layers}
 
 
-def _keep_output(store: dict[int, torch.Tensor], layer: int):
-    """A forward hook storing row 0 of a module's output ([n_tokens, C]) under ``layer``."""
+def _pre_conv(mixer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """[n, hidden] mixer input → [n, C] channels entering the conv: GDN's fused projection, KDA's [q | k | v]."""
+    from translators.layout import is_kimi_delta
 
-    def hook(_module, _inputs, output):
-        store[layer] = output[0].detach()
+    if is_kimi_delta(mixer):
+        return torch.cat([mixer.q_proj(x), mixer.k_proj(x), mixer.v_proj(x)], dim=-1)
+    return mixer.in_proj_qkv(x)
+
+
+def _queries_keys(mixer: nn.Module, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, C] conv output → (queries, keys), each [n, Hv, dk] per value head (GDN repeats its key heads)."""
+    from translators.layout import is_kimi_delta
+
+    n = conv.shape[0]
+    if is_kimi_delta(mixer):
+        width, heads, dim, repeat = mixer.qkv_dim, mixer.num_heads, mixer.head_dim, 1
+    else:
+        width, heads, dim = mixer.key_dim, mixer.num_k_heads, mixer.head_k_dim
+        repeat = mixer.num_v_heads // mixer.num_k_heads
+    q = conv[:, :width].reshape(n, heads, dim).repeat_interleave(repeat, dim=1)
+    k = conv[:, width:2 * width].reshape(n, heads, dim).repeat_interleave(repeat, dim=1)
+    return q, k
+
+
+def _keep_input(store: dict[int, torch.Tensor], layer: int):
+    """A forward pre-hook storing row 0 of a module's `hidden_states` input ([n_tokens, hidden]) under ``layer``."""
+
+    def hook(_module, args, kwargs):
+        store[layer] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])[0].detach()
 
     return hook

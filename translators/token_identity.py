@@ -28,7 +28,7 @@ from torch import nn
 
 from translators.errors import ConfigError, PairMismatchError
 from translators.layout import CacheLayout, decoder_of
-from translators.objects import LATENT, VALUES, CacheObject, cache_objects, object_width
+from translators.objects import LATENT, VALUES, CacheObject, cache_objects, layer_objects, object_width
 from translators.translator import TOKEN_EMBEDDING, Translator
 
 VARIANTS = ("codebook", "ids")
@@ -47,8 +47,15 @@ def check_variant(variant: str | None) -> str | None:
 
 def codebook_object(layout: CacheLayout) -> CacheObject:
     """Layer 0's cache object that depends on the token alone at every capture point: the MLA latent (no RoPE)
-    or the GQA values (keys are rotated at `post_rope`)."""
-    names = {obj.name for obj in cache_objects(layout)}
+    or the GQA values (keys are rotated at `post_rope`).
+
+    Raises:
+        ConfigError: layer 0 holds no per-token object (a hybrid whose first layer is linear attention).
+    """
+    names = {obj.name for obj in layer_objects(layout, 0) if isinstance(obj, CacheObject)}
+    if not names:
+        raise ConfigError(f"the codebook decodes token ids from layer 0's per-token cache objects, but layer 0 of "
+                          f"{layout.family} is a linear-attention layer (it caches a state); use token identity 'ids'")
     return LATENT if LATENT.name in names else VALUES
 
 

@@ -47,7 +47,7 @@ def test_per_layer_selection_is_never_worse_than_plain_copy(report):
 
 def test_attention_maps_explain_most_of_the_target_kv(report):
     for fit in report["kv_r2_heldout"]:
-        assert fit["r2_keys"] > 0.5 and fit["r2_values"] > 0.5, fit
+        assert fit["r2"]["keys"] > 0.5 and fit["r2"]["values"] > 0.5, fit
 
 
 def test_the_partial_recompute_baseline_reports_its_compute_and_carries_the_prompt(report):
