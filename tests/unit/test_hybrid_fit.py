@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from translators.artifact import ArtifactError
-from translators.errors import PairMismatchError
+from translators.errors import ConfigError, PairMismatchError
 from translators.hybrid_artifact import load_hybrid_translator
 
 runner = CliRunner()
@@ -111,3 +111,34 @@ def test_bench_multiturn_hands_off_between_hybrids_from_their_fits(setup, kvling
     result = runner.invoke(app, ["bench", "multiturn", long, long, "--translator-ab", "identity",
                                  "--fit-dir-ba", str(out), "--stage", "closed_form", "--json"])
     assert result.exit_code == 2 and "hybrid translators are read from an artifact directory" in result.output
+
+
+def test_mla_into_a_kda_hybrid_with_token_identity_round_trips_through_its_artifact(setup, kvlingo_home):
+    """MLA → Kimi-Linear: latent maps for the NoPE MLA layer, replay for the KDA layers, the source's codebook
+    appending the target's embedding of every token; the loaded artifact (module re-attached) scores the same."""
+    from tiny_configs import save_tiny_mla_model_dir, tiny_kda_model
+
+    from infra.zoo import load_model, model_signature
+    from translators.hybrid import attach_token_identity, hybrid_validation_kl
+
+    mla = save_tiny_mla_model_dir("deepseek_v3", setup["root"] / "mla", seed=1)
+    kda = setup["root"] / "kda"
+    tiny_kda_model(seed=0).save_pretrained(kda)
+    tiny_tokenizer().save_pretrained(kda)
+    out = setup["root"] / "mla_kda"
+    result = fit(setup, str(mla), str(kda), "--output-dir", str(out), "--stage1-only", "--token-identity", "codebook")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["strategies"] == ["zero", "replay"]
+    source, target = load_model(str(mla)), load_model(str(kda))
+    translator, manifest = load_hybrid_translator(out / "closed_form", source.layout, target.layout, target.model)
+    assert manifest["token_identity"] == "codebook" and translator.kv["latent_2"].shape == (32, 32 + 64)
+    attach_token_identity(translator, source.model, source.layout, target.model)
+    samples = [(torch.randint(3, 97, (20,)), torch.randint(3, 97, (4,))) for _ in range(2)]
+    reloaded = hybrid_validation_kl(source.model, source.layout, target.model, target.layout, samples, translator)
+    empty = hybrid_validation_kl(source.model, source.layout, target.model, target.layout, samples, None,
+                                 condition="empty_prefix")
+    assert reloaded.mean < empty.mean, (reloaded, empty)
+    translator.token_module = None
+    with pytest.raises(ConfigError, match="attach it for the loaded pair"):
+        hybrid_validation_kl(source.model, source.layout, target.model, target.layout, samples, translator)
