@@ -426,8 +426,8 @@ def _from_hub(source: str, limit: int | None, text_chunk_chars: int) -> Corpus:
     """
     match = _HUB_ID.match(source)
     repo, split = match["repo"], match["split"]
-    how = (f"either allow downloads (export HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0, then run once with network "
-           f"access to fill the cache) or pass a local .jsonl/.json(.gz) file")
+    how = ("either allow downloads (export HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0, then run once with network "
+           "access to fill the cache) or pass a local .jsonl/.json(.gz) file")
     if _offline() and not any(p.is_dir() for p in _cached_locations(repo)):
         looked = ", ".join(str(p) for p in _cached_locations(repo))
         raise ConfigError(f"hub dataset {repo!r} is not in the local cache and HF_DATASETS_OFFLINE=1 "

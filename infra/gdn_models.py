@@ -604,16 +604,10 @@ def _cli_build(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m infra.gdn_models build [NAME ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m infra.gdn_models", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="build (or reuse) the embedded GDN hybrids and report recall")
-    build.add_argument("names", nargs="*", help="models to build (default: the whole family)")
-    build.add_argument("--home", help="kvlingo home (default: $KVLINGO_HOME or ~/.cache/kvlingo)")
-    build.add_argument("--items", type=int, default=60, help="held-out recall items to score")
-    build.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser = tiny_models.build_arguments("infra.gdn_models", __doc__,
+                                         "build (or reuse) the embedded GDN hybrids and report recall", items=60,
+                                         names=True)
     return _cli_build(parser.parse_args(argv))
-
 
 if __name__ == "__main__":
     from infra.settings import apply_offline_defaults

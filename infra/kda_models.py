@@ -246,15 +246,9 @@ def _cli_build(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m infra.kda_models build``."""
-    parser = argparse.ArgumentParser(prog="python -m infra.kda_models", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="build (or reuse) kvlingo-tiny-kda and report recall")
-    build.add_argument("--home", help="kvlingo home (default: $KVLINGO_HOME or ~/.cache/kvlingo)")
-    build.add_argument("--items", type=int, default=60, help="held-out recall items to score")
-    build.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser = tiny_models.build_arguments("infra.kda_models", __doc__, "build (or reuse) kvlingo-tiny-kda and report recall",
+                                         items=60)
     return _cli_build(parser.parse_args(argv))
-
 
 if __name__ == "__main__":
     from infra.settings import apply_offline_defaults

@@ -570,7 +570,6 @@ def convert_qwen3_to_mla(source, calibration_rows: dict, kv_lora_rank: int, *, r
     Raises:
         ConfigError: unsupported RoPE or latent rank.
     """
-    import torch
     from transformers import DeepseekV3ForCausalLM
 
     config = mla_config(source.config, kv_lora_rank)
@@ -902,15 +901,9 @@ def _cli_build(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m infra.mla_models build``."""
-    parser = argparse.ArgumentParser(prog="python -m infra.mla_models", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="build (or reuse) the embedded MLA/DSA models and report recall")
-    build.add_argument("--home", help="kvlingo home (default: $KVLINGO_HOME or ~/.cache/kvlingo)")
-    build.add_argument("--items", type=int, default=90, help="held-out recall items to score")
-    build.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser = tiny_models.build_arguments("infra.mla_models", __doc__,
+                                         "build (or reuse) the embedded MLA/DSA models and report recall", items=90)
     return _cli_build(parser.parse_args(argv))
-
 
 if __name__ == "__main__":
     from infra.settings import apply_offline_defaults

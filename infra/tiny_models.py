@@ -764,16 +764,27 @@ def _cli_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def build_arguments(module: str, description: str, summary: str, *, items: int, names: bool = False
+                    ) -> argparse.ArgumentParser:
+    """The ``python -m <module> build`` parser every embedded family shares: ``--home``, ``--items`` (held-out recall
+    items, default ``items``), ``--quiet`` and, with ``names``, the members to build."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help=summary)
+    if names:
+        build.add_argument("names", nargs="*", help="models to build (default: the whole family)")
+    build.add_argument("--home", help="kvlingo home (default: $KVLINGO_HOME or ~/.cache/kvlingo)")
+    build.add_argument("--items", type=int, default=items, help="held-out recall items to score")
+    build.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m infra.tiny_models build``."""
-    parser = argparse.ArgumentParser(prog="python -m infra.tiny_models", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="build (or reuse) both tiny models and report recall")
-    build.add_argument("--home", help="kvlingo home (default: $KVLINGO_HOME or ~/.cache/kvlingo)")
-    build.add_argument("--items", type=int, default=90, help="held-out recall items to score")
-    build.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    return _cli_build(args)
+    parser = build_arguments("infra.tiny_models", __doc__, "build (or reuse) both tiny models and report recall",
+                             items=90)
+    return _cli_build(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
