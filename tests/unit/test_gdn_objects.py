@@ -1,11 +1,12 @@
-"""Hybrid caches (Gated DeltaNet + attention, Qwen3.5): layout, state adapters, capture, injection, round trip."""
+"""Hybrid caches (Gated DeltaNet + attention, Qwen3.5; the round trip also on Kimi-Linear): layout, state adapters,
+capture, injection, round trip."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.tiny_configs import tiny_gdn_model
+from tests.tiny_configs import tiny_gdn_model, tiny_kda_model
 from translators.capture import capture_hybrid
 from translators.errors import ConfigError, UnsupportedModelError
 from translators.inject import decode_step, write_hybrid_cache
@@ -71,15 +72,24 @@ def test_capture_reads_the_engine_states_and_the_conv_inputs(model, layout):
     assert cap.tokens["keys"][2].shape == (19, 32)
 
 
+@pytest.fixture(scope="module", params=["gdn", "kda"])
+def hybrid(request):
+    """Each supported linear-attention family: Qwen3.5 (Gated DeltaNet) and Kimi-Linear (KDA + NoPE MLA)."""
+    model = tiny_gdn_model() if request.param == "gdn" else tiny_kda_model()
+    return model, cache_layout(model)
+
+
 @pytest.mark.parametrize("point", CAPTURE_POINTS)
-def test_round_trip_reproduces_native_logits_and_grads_reach_every_state(model, layout, point):
+def test_round_trip_reproduces_native_logits_and_grads_reach_every_state(hybrid, point):
+    model, layout = hybrid
     result = roundtrip(model, layout, IDS, point)
     assert result.max_abs_logit_diff <= 1e-4
     assert result.grad_ok and result.layers_without_grad == ()
 
 
-def test_states_carry_the_prompt(model, layout):
+def test_states_carry_the_prompt(hybrid):
     """Zeroing the linear layers' states moves the next-token logits far more than the round trip's error."""
+    model, layout = hybrid
     with torch.no_grad():
         cap = capture_hybrid(model, layout, IDS[:-1])
         native = engine_next_logits(model, IDS)

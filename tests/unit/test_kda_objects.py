@@ -1,5 +1,5 @@
-"""Kimi-Linear hybrids (Kimi Delta Attention + NoPE MLA): layout, state adapters, capture, injection, round trip,
-replay and the bilinear read metric."""
+"""Kimi-Linear hybrids (Kimi Delta Attention + NoPE MLA): layout, state adapters, capture, replay and the bilinear
+read metric (the round trip and the states' effect are tested with the GDN hybrid in test_gdn_objects)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,10 @@ import torch
 
 from tests.tiny_configs import tiny_kda_model
 from translators.capture import capture_hybrid
-from translators.inject import decode_step, write_hybrid_cache
 from translators.layout import LINEAR, ConvWindow, MLALatent, RecurrentState, cache_layout, is_hybrid, linear_mixer
 from translators.mla import rotate_rope_key, unrotate_rope_key
 from translators.objects import LINEAR_STATE, MLA, layer_objects, object_names
-from translators.points import CAPTURE_POINTS
 from translators.replay import mixer_inputs, replay_mixer
-from translators.roundtrip import engine_next_logits, roundtrip
 from translators.states import read_metric
 
 IDS = torch.randint(0, 95, (21,), generator=torch.Generator().manual_seed(4))
@@ -60,22 +57,6 @@ def test_capture_matches_the_engine_and_the_nope_key_is_never_rotated(model, lay
     key = cap.tokens["rope_key"][2]
     assert torch.equal(rotate_rope_key(model, layout, 2, key, positions), key)
     assert torch.equal(unrotate_rope_key(model, layout, 2, key, positions), key)
-
-
-@pytest.mark.parametrize("point", CAPTURE_POINTS)
-def test_round_trip_reproduces_native_logits_and_grads_reach_every_state(model, layout, point):
-    result = roundtrip(model, layout, IDS, point)
-    assert result.max_abs_logit_diff <= 1e-4
-    assert result.grad_ok and result.layers_without_grad == ()
-
-
-def test_states_carry_the_prompt(model, layout):
-    with torch.no_grad():
-        cap = capture_hybrid(model, layout, IDS[:-1])
-        native = engine_next_logits(model, IDS)
-        zero = {name: {i: torch.zeros_like(x) for i, x in xs.items()} for name, xs in cap.states.items()}
-        logits = decode_step(model, write_hybrid_cache(model, layout, cap.tokens, zero, point="pre_norm"), IDS[-1:])[-1]
-    assert (logits - native).abs().max() > 1e-2
 
 
 def test_replaying_the_native_inputs_gives_the_native_state_exactly(model, layout):
