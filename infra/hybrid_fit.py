@@ -5,7 +5,8 @@
 conversations (one conversation per capture), fits the target's attention K/V maps (ridge, ν = 1), the replay
 maps and, between same-geometry hybrids, the bilinear state + affine conv-window corrections in closed form, and
 reports validation KL of the target's answers under each state strategy the pair admits (`fit_report`) beside
-the ``empty_prefix`` and ``random_map`` controls. ``--token-identity ids|codebook`` appends the target's embedding
+the ``empty_prefix`` and ``random_map`` controls, and ``native_states`` (the translated K/V of the copy or
+replay translator with the target's own states: what the state corrections regress onto). ``--token-identity ids|codebook`` appends the target's embedding
 of each token to every map (e.g. ``kvlingo-tiny-l-mla kvlingo-tiny-kda``, the MLA → KDA pair).
 """
 
@@ -164,12 +165,15 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         translators["distilled"] = distilled
     val_kl = {strategy: asdict(hybrid_validation_kl(source_model, source, target_model, target, val, tr))
               for strategy, tr in translators.items()}
+    base = translators[COPY] if COPY in translators else translators[start_from]
+    if linear_layers(target):  # the states the corrections regress onto, under the same translated K/V as copy's
+        val_kl["native_states"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val, base,
+                                                              condition="native_states"))
     val_kl["empty_prefix"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val, None,
                                                          condition="empty_prefix"))
     noise_of = "distilled" if "distilled" in translators else start_from
     val_kl["random_map"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val,
                                                        random_like(translators[noise_of])))
-    base = translators[COPY] if COPY in translators else translators[start_from]
     partial = [{"layers": k, "compute_fraction": compute_fraction(target_model, k),
                 "val_kl": asdict(hybrid_validation_kl(source_model, source, target_model, target, val, base,
                                                       recompute=k))} for k in recompute]

@@ -318,7 +318,9 @@ def hybrid_validation_kl(source_model: nn.Module, source: CacheLayout, target_mo
     """KL(target native ‖ condition) over the continuation of each (prefix [n], continuation [m]) sample.
 
     condition: "translated" (the source's capture of x_{1:n-1} through ``translator``, with the first
-    ``recompute`` target layers recomputed natively) or "empty_prefix" (the target with no cache).
+    ``recompute`` target layers recomputed natively), "native_states" (the translated per-token objects with the
+    target's own conv windows and states in every linear layer: what the state corrections regress onto, scored
+    beside the translated K/V it will meet) or "empty_prefix" (the target with no cache).
 
     Raises:
         ConfigError: no samples, an unknown condition, or recompute outside [0, n_layers].
@@ -341,8 +343,8 @@ def sample_kls(source_model: nn.Module, source: CacheLayout, target_model: nn.Mo
     """
     if not samples:
         raise ConfigError("empty validation set")
-    if condition not in ("translated", "empty_prefix"):
-        raise ConfigError(f"unknown condition {condition!r}")
+    if condition not in ("translated", "native_states", "empty_prefix"):
+        raise ConfigError(f"unknown condition {condition!r} (choose from translated, native_states, empty_prefix)")
     means, firsts = [], []
     with torch.no_grad():
         for prefix, continuation in samples:
@@ -352,9 +354,11 @@ def sample_kls(source_model: nn.Module, source: CacheLayout, target_model: nn.Mo
             else:
                 cap = capture_hybrid(source_model, source, prefix[:-1], translator.point)
                 tokens, states = translator(cap, target_model)
-                if recompute:
+                if recompute or condition == "native_states":
                     native = capture_hybrid(target_model, target, prefix[:-1], translator.point)
                     tokens, states = recomputed_objects(tokens, states, native, recompute, target.n_layers)
+                    if condition == "native_states":
+                        states = native.states
                 cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
                 student = cache_logits(target_model, cache, prefix, continuation)
             kl = kl_per_position(teacher, student)

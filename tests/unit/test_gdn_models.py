@@ -32,6 +32,9 @@ def test_all_attention_conversion_reproduces_the_parent_exactly(parent):
     with torch.no_grad():
         diff = (converted(input_ids=ids).logits - parent(input_ids=ids).logits).abs().max()
     assert diff < 1e-4
+    # The hybrid declares the spec's context, not the parent's; the declaration does not enter the computation.
+    assert parent.config.max_position_embeddings != 8192
+    assert cache_layout(converted).max_positions == GDNSpec.max_position_embeddings == 8192
 
 
 def test_hybrid_conversion_replaces_only_the_linear_layers_mixers(parent):

@@ -74,3 +74,16 @@ def test_compute_fraction_is_the_layers_share_of_the_decoder_weights():
     assert compute_fraction(hybrid, 2) == pytest.approx((sizes[0] + sizes[1]) / sum(sizes))
     with pytest.raises(ConfigError, match=r"\[0, 3\], got -1"):
         compute_fraction(hybrid, -1)
+
+
+def test_native_states_keep_the_translated_tokens_and_take_every_state_from_the_target(pair):
+    """On this layout (layers 0-1 GDN, 2 attention) the target's own states under the translated K/V are exactly a
+    recompute of its two linear layers; the unknown-condition error names the choices."""
+    source, src_layout, target, tgt_layout, translator, samples = pair
+    native, _ = sample_kls(source, src_layout, target, tgt_layout, samples, translator, condition="native_states")
+    recomputed, _ = sample_kls(source, src_layout, target, tgt_layout, samples, translator, recompute=2)
+    copied, _ = sample_kls(source, src_layout, target, tgt_layout, samples, translator)
+    assert native == pytest.approx(recomputed, abs=1e-9)
+    assert all(abs(a - b) > 1e-4 for a, b in zip(native, copied))
+    with pytest.raises(ConfigError, match="unknown condition 'oracle' .choose from translated, native_states"):
+        sample_kls(source, src_layout, target, tgt_layout, samples, translator, condition="oracle")
