@@ -151,10 +151,10 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
             replay_fits = fit_replay_maps(translator, target_model, src_caps, prompts, ridge=ridge_kv, n_heldout=held)
             fit_replay_maps(translator, target_model, src_caps, prompts, ridge=ridge_kv)  # every pair, as K/V
         translators[strategy] = translator
-    selection_trace = {}
+    selection_trace, selection_copy_kl = {}, None
     if CORRECTED in translators:
-        translators["selected"], selection_trace = select_corrections(source_model, source, target_model, target,
-                                                                      translators[CORRECTED], fit[-held:])
+        translators["selected"], selection_copy_kl, selection_trace = select_corrections(
+            source_model, source, target_model, target, translators[CORRECTED], fit[-held:])
     start_from = next(s for s in ("selected", REPLAY, "translated") if s in translators)
     distill_seconds = None
     if distill_steps > 0:
@@ -189,7 +189,7 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         "kv_r2_heldout": [asdict(f) for f in kv_fits], "state_fit_heldout": [asdict(f) for f in state_fits],
         "replay_r2_heldout": [asdict(f) for f in replay_fits],
         "selected_strategies": translators["selected"].states.strategies if "selected" in translators else None,
-        "selection_kl": {str(k): v for k, v in selection_trace.items()},
+        "selection_copy_kl": selection_copy_kl, "selection_kl": {str(k): v for k, v in selection_trace.items()},
         "distill_steps": distill_steps, "distill_lr": distill_lr, "distill_seconds": distill_seconds,
         "val_kl": val_kl, "partial_recompute": partial, "capture_seconds": round(capture_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),

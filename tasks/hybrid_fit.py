@@ -99,7 +99,7 @@ def fit_closed_forms(plan, stats: list, select: list) -> tuple[dict, dict[str, A
                                                                       ridge=RIDGE_KV)]
         translators[strategy] = translator
     if CORRECTED in translators and select:
-        translators["selected"], _ = select_corrections(src.model, src.layout, tgt.model, tgt.layout,
+        translators["selected"], _, _ = select_corrections(src.model, src.layout, tgt.model, tgt.layout,
                                                         translators[CORRECTED], select)
     return translators, scores
 

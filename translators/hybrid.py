@@ -475,7 +475,7 @@ def distill_hybrid(translator: HybridTranslator, source_model: nn.Module, source
 
 def select_corrections(source_model: nn.Module, source: CacheLayout, target_model: nn.Module, target: CacheLayout,
                        corrected: HybridTranslator, samples: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                       ) -> tuple[HybridTranslator, dict[int, float]]:
+                       ) -> tuple[HybridTranslator, float, dict[int, float]]:
     """Per target linear layer, keep the fitted correction only where it lowers KL on ``samples`` significantly.
 
     Greedy in layer order from plain copy everywhere: layer t switches to ``copy_corrected`` (with ``corrected``'s
@@ -490,7 +490,9 @@ def select_corrections(source_model: nn.Module, source: CacheLayout, target_mode
         corrected: a translator whose every linear layer is ``copy_corrected``, fitted (K/V maps and states).
         samples: (prefix, continuation) pairs held out from the state fit.
     Returns:
-        (a translator with the chosen strategy per layer and corrected's K/V maps, {layer: KL after deciding it}).
+        (a translator with the chosen strategy per layer and corrected's K/V maps, the mean KL of plain copy
+        everywhere, {layer: mean KL after deciding it}); all on ``samples``, so the trace never rises, and it
+        falls exactly at the layers that keep their correction.
     Raises:
         ConfigError: ``corrected`` has a linear layer that is not copy_corrected, or no samples.
     """
@@ -518,6 +520,7 @@ def select_corrections(source_model: nn.Module, source: CacheLayout, target_mode
 
     choice = dict.fromkeys(strategies, COPY)
     best = kls(choice)
+    copy_kl = best.mean().item()
     trace = {}
     for t in sorted(strategies):
         trial = {**choice, t: CORRECTED}
@@ -527,4 +530,4 @@ def select_corrections(source_model: nn.Module, source: CacheLayout, target_mode
         if gain.mean() > 2 * se:
             choice, best = trial, kl
         trace[t] = best.mean().item()
-    return build(choice), trace
+    return build(choice), copy_kl, trace

@@ -233,9 +233,9 @@ def test_selection_keeps_a_correction_only_where_it_lowers_kl():
     assert fits[0].state_copy > 0.5 and fits[0].state_corrected < 1e-6  # layer 0: exactly a permutation to undo
     with torch.no_grad():  # spoil layer 1's correction (its states are identical: copy is exact there)
         corrected.states.maps["left_1"].mul_(2.0)
-    selected, trace = select_corrections(source, layout, target, layout, corrected, samples)
+    selected, copy_kl, trace = select_corrections(source, layout, target, layout, corrected, samples)
     assert selected.states.strategies == {0: CORRECTED, 1: COPY}
-    assert trace[0] < 1e-4 and trace[1] == trace[0]
+    assert copy_kl > 0.01 and trace[0] < 1e-4 and trace[1] == trace[0]
 
 
 def test_read_metric_is_the_second_moment_of_unit_queries_and_keys(model, layout):
