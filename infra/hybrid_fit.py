@@ -6,8 +6,9 @@ conversations (one conversation per capture), fits the target's attention K/V ma
 maps and, between same-geometry hybrids, the bilinear state + affine conv-window corrections in closed form, and
 reports validation KL of the target's answers under each state strategy the pair admits (`fit_report`) beside
 the ``empty_prefix`` and ``random_map`` controls, and ``native_states`` (the translated K/V of the copy or
-replay translator with the target's own states: what the state corrections regress onto). ``--token-identity ids|codebook`` appends the target's embedding
-of each token to every map (e.g. ``kvlingo-tiny-l-mla kvlingo-tiny-kda``, the MLA → KDA pair).
+replay translator with the target's own states: what the state corrections regress onto).
+``--token-identity ids|codebook`` appends the target's embedding of each token to every map (e.g.
+``kvlingo-tiny-l-mla kvlingo-tiny-kda``, the MLA → KDA pair).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def fit_closed_forms(plan, stats: list, select: list) -> tuple[dict, dict[str, A
         translators[strategy] = translator
     if CORRECTED in translators and select:
         translators["selected"], _, _ = select_corrections(src.model, src.layout, tgt.model, tgt.layout,
-                                                        translators[CORRECTED], select)
+                                                           translators[CORRECTED], select)
     return translators, scores
 
 

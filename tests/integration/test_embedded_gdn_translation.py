@@ -43,9 +43,10 @@ def test_per_layer_selection_keeps_a_correction_exactly_where_it_lowered_the_sel
     exactly at the layers that keep their correction. On validation the choice can go either way (session 11's
     build kept none in either direction; session 14's kept layer 3 of s -> l: 0.149 against copy's 0.132, within
     copy's standard error of 0.04), so validation is only checked where nothing was kept."""
-    scores = [report["selection_copy_kl"]] + [report["selection_kl"][t] for t in sorted(report["selection_kl"], key=int)]
+    layers = sorted(report["selection_kl"], key=int)
+    scores = [report["selection_copy_kl"]] + [report["selection_kl"][t] for t in layers]
     assert all(b <= a for a, b in zip(scores, scores[1:])), scores
-    dropped = {t for t, a, b in zip(sorted(report["selection_kl"], key=int), scores, scores[1:]) if b < a}
+    dropped = {t for t, a, b in zip(layers, scores, scores[1:]) if b < a}
     kept = {str(t) for t, strategy in report["selected_strategies"].items() if strategy == "copy_corrected"}
     assert kept == dropped, (kept, scores)
     kl = {key: row["mean"] for key, row in report["val_kl"].items()}
