@@ -353,12 +353,15 @@ def sample_kls(source_model: nn.Module, source: CacheLayout, target_model: nn.Mo
                 student = no_prefix_logits(target_model, prefix, continuation)
             else:
                 cap = capture_hybrid(source_model, source, prefix[:-1], translator.point)
-                tokens, states = translator(cap, target_model)
-                if recompute or condition == "native_states":
+                if condition == "native_states":  # only the token maps: the states come from the target itself
                     native = capture_hybrid(target_model, target, prefix[:-1], translator.point)
-                    tokens, states = recomputed_objects(tokens, states, native, recompute, target.n_layers)
-                    if condition == "native_states":
-                        states = native.states
+                    tokens, states = recomputed_objects(translator.map_tokens(cap), native.states, native, recompute,
+                                                        target.n_layers)
+                else:
+                    tokens, states = translator(cap, target_model)
+                    if recompute:
+                        native = capture_hybrid(target_model, target, prefix[:-1], translator.point)
+                        tokens, states = recomputed_objects(tokens, states, native, recompute, target.n_layers)
                 cache = write_hybrid_cache(target_model, target, tokens, states, point=translator.point)
                 student = cache_logits(target_model, cache, prefix, continuation)
             kl = kl_per_position(teacher, student)
