@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 FIT_SEED = 3  # synthetic-chat stream of the fit conversations
 VALIDATION_SEED = 4  # a different stream for validation
@@ -81,7 +82,8 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
 
     ``distill_steps`` > 0 adds ``distilled``: stage 2 (`translators.hybrid.distill_hybrid`, batches of 4 fit
     conversations) from ``selected`` where the pair can copy, else from ``replay`` (``translated`` into a GQA
-    target), trained and scored on a copy. Each k in ``recompute`` adds a row of the DroidSpeak baseline
+    target), trained on a copy without the held-out 20% of fit conversations, which pick the best checkpoint (the
+    start included; ``distill_selection``). Each k in ``recompute`` adds a row of the DroidSpeak baseline
     (`translators.partial_recompute`): the target recomputes its first k layers and reads the ``copy`` (else
     ``replay``) translator's objects in the rest, with the share of its prefill compute that costs. ``recall`` > 0
     adds ``recall``: `recall_scores` on that many held-out items for every translator and condition.
@@ -91,13 +93,10 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         ConfigError: unknown model names, or a recompute depth outside [1, the target's layers] (checked before
             anything is fitted).
     """
-    import copy
-
     from infra.zoo import load_model
     from translators.errors import ConfigError
     from translators.hybrid import (
         attach_token_identity,
-        distill_hybrid,
         fit_kv_maps,
         fit_replay_maps,
         fit_states,
@@ -158,12 +157,13 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
             source_model, source, target_model, target, translators[CORRECTED], fit[-held:])
     start_from = next(s for s in ("selected", REPLAY, "translated") if s in translators)
     distill_seconds = None
+    selection = None
     if distill_steps > 0:
-        distilled = copy.deepcopy(translators[start_from])
         started_distill = time.perf_counter()
-        distill_hybrid(distilled, source_model, source, target_model, target, fit, steps=distill_steps, lr=distill_lr)
+        translators["distilled"], selection = _distill_with_selection(
+            translators[start_from], source_model, source, target_model, target, fit[:-held], fit[-held:],
+            steps=distill_steps, lr=distill_lr)
         distill_seconds = round(time.perf_counter() - started_distill, 1)
-        translators["distilled"] = distilled
     val_kl = {strategy: asdict(hybrid_validation_kl(source_model, source, target_model, target, val, tr))
               for strategy, tr in translators.items()}
     base = translators[COPY] if COPY in translators else translators[start_from]
@@ -193,9 +193,45 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         "selection_copy_kl": selection_copy_kl,
         "correction_selection": {str(k): v for k, v in selection_trace.items()},
         "distill_steps": distill_steps, "distill_lr": distill_lr, "distill_seconds": distill_seconds,
+        "distill_selection": selection,
         "val_kl": val_kl, "partial_recompute": partial, "capture_seconds": round(capture_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def _distill_with_selection(start, source_model, source, target_model, target, train: list, select: list, *,
+                            steps: int, lr: float, checkpoints: int = 5) -> tuple[Any, dict]:
+    """Stage 2 from a copy of ``start`` on ``train``; the translator is scored on ``select`` (fit conversations
+    held out from training) at ``checkpoints`` evenly spaced steps and the lowest-KL checkpoint is kept, ``start``
+    itself (step 0) included, as `kvlingo fit` does (`tasks.hybrid_fit.distill_with_selection`): the first steps
+    of stage 2 can undo a good closed form before they improve on it.
+
+    Returns:
+        (translator, {"selected_step", "selection_kl": {step: mean KL}}).
+    """
+    import copy
+
+    from translators.hybrid import distill_hybrid, hybrid_validation_kl
+
+    student = copy.deepcopy(start)
+    every = max(1, steps // checkpoints)
+
+    def score(translator) -> float:
+        return hybrid_validation_kl(source_model, source, target_model, target, select, translator).mean
+
+    scores = {0: score(student)}
+    best = {"step": 0, "state": copy.deepcopy(student.state_dict())}
+
+    def checkpoint(step: int) -> None:
+        if step % every == 0 or step == steps:
+            scores[step] = score(student)
+            if scores[step] < scores[best["step"]]:
+                best.update(step=step, state=copy.deepcopy(student.state_dict()))
+
+    distill_hybrid(student, source_model, source, target_model, target, train, steps=steps, lr=lr,
+                   on_step=checkpoint)
+    student.load_state_dict(best["state"])
+    return student, {"selected_step": best["step"], "selection_kl": {str(k): v for k, v in scores.items()}}
 
 
 def _depths(text: str) -> tuple[int, ...]:

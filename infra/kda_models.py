@@ -20,7 +20,10 @@ Training (everything else frozen): ``mse_steps`` steps aligning each KDA mixer's
 output at that layer given the parent's own layer input (:func:`infra.gdn_models.align_mixers`), then
 ``kl_steps`` steps of KL(parent ‖ hybrid) on the logits (:func:`infra.gdn_models.distill_mixers`, with the
 copy weight) over the KDA mixers and layer 3's attention, which must learn to attend without RoPE. One
-conversation per row (recurrent states would leak across packed conversations).
+conversation per row (recurrent states would leak across packed conversations). Training runs transformers'
+pure-torch chunked KDA with chunks of 16 tokens instead of its default 64 (``train_chunk_size``; the chunked
+form is exact for any chunk length, outputs agree to fp32 rounding): per-channel decay makes the intra-chunk work
+[C, C, d] per chunk, and a training step took 108 ms instead of 354 (MSE) and 116 instead of 290 (KL) here.
 
 ``python -m infra.kda_models build`` builds it (and its parents if needed) and prints recall next to the
 parent's and the GQA original's.
@@ -62,6 +65,7 @@ class KDASpec:
     kl_lr: float = 3e-3
     copy_weight: float = 4.0
     warmup_frac: float = 0.05
+    train_chunk_size: int = 16  # as in `infra.gdn_models.GDNSpec`
     seed: int = 23
 
 

@@ -646,7 +646,32 @@ def promote_best(name: str) -> dict[str, Any]:
     Raises:
         RegistryError: no version of `name`, or none comparable with the newest carries a validation KL.
     """
+    from mlflow.exceptions import MlflowException
+
+    from infra.locks import named_lock
+
     client = tracking_client()
+    # Two fits of one pair finishing together (sweep cells) both promote. The lock makes choose-then-set atomic
+    # between processes on this KVLINGO_HOME, so a promoter with an older view of the versions cannot overwrite
+    # a newer choice. Processes on other machines writing to one tracking server can still collide in the
+    # store's insert of the alias row (sqlite: "UNIQUE constraint failed: registered_model_aliases"); the loser
+    # re-reads the versions and sets the alias again.
+    with named_lock(f"promote-{name}", f"promoting the champion of {name}"):
+        failures = 0
+        while True:
+            champion = _choose_champion(client, name)
+            try:
+                client.set_registered_model_alias(name, "champion", str(champion["version"]))
+                return champion
+            except MlflowException:
+                failures += 1
+                if failures == 3:
+                    raise
+                time.sleep(0.2 * failures)
+
+
+def _choose_champion(client, name: str) -> dict[str, Any]:
+    """:func:`promote_best`'s choice, without setting the alias (same return value and errors)."""
     versions = _versions(client, name)
     if not versions:
         raise RegistryError(f"no registered model {name!r} (or it has no versions): register one with `log_translator_model`")
@@ -661,7 +686,6 @@ def promote_best(name: str) -> dict[str, Any]:
             "KL and the validation set from the manifest)"
         )
     value, negative_version = min(scored)
-    client.set_registered_model_alias(name, "champion", str(-negative_version))
     return {"name": name, "version": -negative_version, "val_kl": value, "val_set_hash": basis[1]}
 
 

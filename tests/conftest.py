@@ -10,8 +10,36 @@ apply_offline_defaults()  # before torch loads: OMP_WAIT_POLICY is read once, at
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-# Two cores: keep torch from oversubscribing when helpers or Ray workers run beside the tests.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# The README's test command runs the suite in two pytest-xdist workers (PYTEST_XDIST_WORKER set), one torch thread
+# each, which fills the two cores: under OMP_WAIT_POLICY=PASSIVE a second thread in one process mostly waits to
+# be woken between the many tiny kernels of these models (a GDN build step: 174 ms on one thread, 271 ms on two).
+# A plain serial `pytest` keeps two threads; Ray workers and subprocesses beside the tests set their own.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
+
+# Test files that must not run at the same time as each other go to one xdist worker (`--dist loadgroup`): the Ray
+# tests start local clusters and worker processes sized to the whole machine, the serving tests vLLM engines.
+# Every other file is a group of its own, so its module-scoped fixtures (fits, builds) are computed once.
+SHARED_GROUPS = {
+    "ray": ("tests/integration/test_ray_", "tests/integration/test_cli_tiers.py"),
+    "serving": ("tests/serving/",),
+}
+
+
+def xdist_group_of(path: str) -> str:
+    """The xdist group of the test file at `path` (relative to the repository root, "/"-separated)."""
+    for group, prefixes in SHARED_GROUPS.items():
+        if path.startswith(prefixes):
+            return group
+    return path
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parents[1]
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            path = Path(item.fspath).resolve().relative_to(root).as_posix()
+            item.add_marker(pytest.mark.xdist_group(xdist_group_of(path)))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,8 +18,8 @@ def test_doctor_on_gguf_model(model, family, n_layers):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
-    assert report["family"] == family and report["n_layers"] == n_layers
+    assert report["family"] == family and report["n_layers"] == n_layers, report
     for point in ("pre_norm", "post_norm", "post_rope"):
-        assert report["points"][point]["max_abs_logit_diff"] <= 1e-4
-        assert report["points"][point]["grad_ok"] is True
-    assert report["ok"] is True
+        assert report["points"][point]["max_abs_logit_diff"] <= 1e-4, (point, report)
+        assert report["points"][point]["grad_ok"] is True, (point, report)
+    assert report["ok"] is True, report

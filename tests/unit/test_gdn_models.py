@@ -128,3 +128,27 @@ def test_grown_mixers_keep_the_function_and_the_states(parent):
     assert torch.allclose(large_states[2], small_states[1], atol=1e-5)
     with pytest.raises(ConfigError, match="geometry differs"):
         gdn_models.grow_mixers(convert_qwen3_to_gdn(grown_parent, _spec((LINEAR,) * 5, linear_key_head_dim=16)), small)
+
+
+def test_training_runs_on_one_thread_and_restores_the_callers_thread_count():
+    weight = torch.nn.Parameter(torch.ones(3))
+    seen = []
+
+    def loss_of(batch):
+        seen.append(torch.get_num_threads())
+        if len(seen) == 3:
+            return weight.sum() * float("nan")  # a failing step must restore the thread count too
+        return (weight * batch["input_ids"][:, :1].float().sum()).pow(2).sum()
+
+    rows = {"input_ids": torch.ones(4, 5, dtype=torch.long), "weights": torch.ones(4, 5), "copies": torch.zeros(4, 5),
+            "lengths": torch.full((4,), 5)}
+    spec = _spec((LINEAR, LINEAR, FULL))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="non-finite loss at step 2"):
+            gdn_models._train([weight], loss_of, rows, 5, spec, 1e-3, progress=False, description="t")
+        assert seen == [1, 1, 1]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -67,3 +67,24 @@ def test_recipe_hash_pins_the_spec_and_the_parent(monkeypatch):
 def test_unknown_name_is_refused():
     with pytest.raises(ConfigError, match="known: \\['kvlingo-tiny-kda'\\]"):
         spec_for("kvlingo-tiny-kdb")
+
+
+def test_training_chunk_length_changes_neither_outputs_nor_gradients_beyond_fp32_rounding(parent):
+    # The build trains with 16-token chunks (three times faster here) and the model then runs with transformers'
+    # 64: the chunked delta rule must be the same function either way, and the kwarg must reach the kernel.
+    torch.manual_seed(0)
+    hybrid = convert_mla_to_kda(parent, _spec())
+    ids = torch.randint(0, 97, (2, 100), generator=torch.Generator().manual_seed(1))  # 100: not a chunk multiple
+    params = trainable_parameters(hybrid)
+    for p in params:
+        p.requires_grad_(True)
+    results = {}
+    for chunk in (64, 16):
+        logits = hybrid(input_ids=ids, use_cache=False, chunk_size=chunk).logits
+        grads = torch.autograd.grad(logits.pow(2).mean(), params)
+        results[chunk] = (logits.detach(), torch.cat([g.flatten() for g in grads]))
+    (logits_64, grads_64), (logits_16, grads_16) = results[64], results[16]
+    assert (logits_16 - logits_64).abs().max() < 1e-4 * logits_64.abs().max()
+    assert (grads_16 - grads_64).norm() < 1e-4 * grads_64.norm()
+    assert not torch.equal(logits_16, logits_64)  # the chunk length reached the kernel (rounding differs)
+    assert spec_for(kda_models.NAME).train_chunk_size == 16

@@ -255,6 +255,53 @@ def test_only_versions_on_the_newest_validation_set_compete(store, tmp_path):
     assert promote_best("a--b") == {"name": "a--b", "version": 2, "val_kl": 0.10, "val_set_hash": None}
 
 
+def test_promotions_racing_on_one_store_leave_the_best_version_champion(store, tmp_path, monkeypatch):
+    """Sweep cells finishing together promote at once. A conflict on the alias row (the store's UNIQUE
+    constraint, as seen when two sweep cells inserted it together) is retried on a fresh read of the versions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    for lr, kl in ((1e-3, 0.30), (2e-3, 0.20), (3e-3, 0.25)):
+        _, _, out = fake_fit(tmp_path, lr=lr, distilled_kl=kl)
+        log_translator_model(out / "distilled")
+    real_set = MlflowClient.set_registered_model_alias
+    conflicts = []
+
+    def first_call_conflicts(self, name, alias, version):
+        if not conflicts:
+            conflicts.append(version)
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: registered_model_aliases.name")
+        return real_set(self, name, alias, version)
+
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", first_call_conflicts)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: promote_best("a--b"), range(4)))
+    assert conflicts == ["2"]
+    assert results == [{"name": "a--b", "version": 2, "val_kl": 0.20, "val_set_hash": None}] * 4
+    assert str(MlflowClient().get_model_version_by_alias("a--b", "champion").version) == "2"
+
+
+def test_a_store_that_keeps_refusing_the_alias_raises_after_three_tries(store, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    _, _, out = fake_fit(tmp_path)
+    log_translator_model(out / "distilled")
+    calls = []
+
+    def always_conflicts(self, name, alias, version):
+        calls.append(version)
+        raise MlflowException("UNIQUE constraint failed: registered_model_aliases.name")
+
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", always_conflicts)
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    with pytest.raises(MlflowException, match="UNIQUE constraint"):
+        promote_best("a--b")
+    assert calls == ["1"] * 3
+
+
 def test_a_data_manifest_without_its_validation_set_hash_is_refused(store, tmp_path):
     from translators.artifact import ArtifactError
 
