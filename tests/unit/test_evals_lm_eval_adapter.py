@@ -167,7 +167,9 @@ def test_translated_identity_loglikelihood_equals_target_native(llama, tokenizer
     native = KvlingoLM(target_native(llama), tokenizer, show_progress=False).loglikelihood(requests)
     ident = KvlingoLM(translated(llama, llama), tokenizer, show_progress=False).loglikelihood(requests)
     for (a, ga), (b, gb) in zip(native, ident):
-        assert b == pytest.approx(a, abs=1e-5)
+        # fp32 rounding, relative to the size of the sum: the translated condition scores the continuation over
+        # an injected cache, target-native in its own forward (measured 1.05e-5 at -14.26 on one thread)
+        assert b == pytest.approx(a, abs=1e-5, rel=2e-6)
         assert ga == gb
 
 
