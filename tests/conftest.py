@@ -17,29 +17,38 @@ import torch  # noqa: E402
 # A plain serial `pytest` keeps two threads; Ray workers and subprocesses beside the tests set their own.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
-# Test files that must not run at the same time as each other go to one xdist worker (`--dist loadgroup`): the Ray
-# tests start local clusters and worker processes sized to the whole machine, the serving tests vLLM engines.
-# Every other file is a group of its own, so its module-scoped fixtures (fits, builds) are computed once.
-SHARED_GROUPS = {
+# `--dist loadfile` keeps each test file on one worker, so its module-scoped fixtures (fits, builds) run once.
+# Files of one exclusive group never run at the same time on the two workers: the Ray tests start local clusters
+# and worker processes sized to the whole machine, the serving tests vLLM engines. (pytest-xdist's loadgroup would
+# say this declaratively, but its 3.8 release cannot tag pytest 9's node ids and silently distributes per test.)
+EXCLUSIVE_GROUPS = {
     "ray": ("tests/integration/test_ray_", "tests/integration/test_cli_tiers.py"),
     "serving": ("tests/serving/",),
 }
 
 
-def xdist_group_of(path: str) -> str:
-    """The xdist group of the test file at `path` (relative to the repository root, "/"-separated)."""
-    for group, prefixes in SHARED_GROUPS.items():
+def exclusive_group_of(path: str) -> str | None:
+    """The exclusive group of the test file at `path` (relative to the repository root, "/"-separated), if any."""
+    for group, prefixes in EXCLUSIVE_GROUPS.items():
         if path.startswith(prefixes):
             return group
-    return path
+    return None
 
 
-def pytest_collection_modifyitems(config, items):
+@pytest.fixture(scope="module", autouse=True)
+def _one_file_of_an_exclusive_group_at_a_time(request):
+    """Hold the group's lock (a file in the temp dir, released by the kernel if the worker dies) for the module."""
+    import tempfile
+
+    from infra.locks import file_lock
+
     root = Path(__file__).resolve().parents[1]
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            path = Path(item.fspath).resolve().relative_to(root).as_posix()
-            item.add_marker(pytest.mark.xdist_group(xdist_group_of(path)))
+    group = exclusive_group_of(Path(request.path).resolve().relative_to(root).as_posix())
+    if group is None:
+        yield
+        return
+    with file_lock(Path(tempfile.gettempdir()) / f"kvlingo-tests-{group}.lock", f"the {group} tests of the other worker"):
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
