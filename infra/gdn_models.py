@@ -167,7 +167,7 @@ def ensure_gdn_model(name: str, *, home: Path | None = None, progress: bool = Tr
     recipe = _recipe(name)
     if tiny_models.is_built(final, recipe):
         return final
-    # Before taking the lock: building the parent takes it too, and it is not re-entrant.
+    # Before taking this model's build lock: a process holds one build lock at a time.
     parent_dir = tiny_models.ensure_tiny_model(spec.parent, home=home, progress=progress)
     mixers_dir = ensure_gdn_model(spec.mixers_from, home=home, progress=progress) if spec.mixers_from else None
     return tiny_models.build_under_lock(final, recipe,

@@ -192,7 +192,7 @@ def ensure_mla_model(name: str, *, home: Path | None = None, progress: bool = Tr
     recipe = _recipe(name)
     if tiny_models.is_built(final, recipe):
         return final
-    # Before taking the lock: building a parent takes it too, and it is not re-entrant.
+    # Before taking this model's build lock: a process holds one build lock at a time.
     parent_dir = _ensure_parent(spec.parent, home, progress)
     return tiny_models.build_under_lock(final, recipe, lambda tmp: _write_model(name, parent_dir, tmp, progress))
 

@@ -168,10 +168,14 @@ def _read_build_hash(directory: Path) -> str | None:
 
 
 @contextlib.contextmanager
-def _build_lock(models_dir: Path) -> Iterator[None]:
-    """Exclusive inter-process lock over all tiny builds (they share the tokenizer and the CPUs)."""
-    models_dir.mkdir(parents=True, exist_ok=True)
-    with open(models_dir / ".build.lock", "w") as handle:
+def _build_lock(final: Path) -> Iterator[None]:
+    """Exclusive inter-process lock over the build of one cache directory ``final``.
+
+    One lock per model, not one for the folder: two processes needing different models (a test worker deriving
+    the GDN hybrids beside one deriving the MLA family) build them at the same time; parents are ensured before
+    a child's lock is taken, so no process holds two build locks."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".build-{final.name}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -185,10 +189,10 @@ def is_built(final: Path, recipe: dict) -> bool:
 
 
 def build_under_lock(final: Path, recipe: dict, write) -> Path:
-    """Build ``final`` with ``write(tmp_dir)`` (see :func:`_atomic_build`) under the build lock of its folder,
+    """Build ``final`` with ``write(tmp_dir)`` (see :func:`_atomic_build`) under its own build lock,
     unless another process built it while we waited for the lock. Callers build parents first: the lock is not
     re-entrant."""
-    with _build_lock(final.parent):
+    with _build_lock(final):
         if is_built(final, recipe):
             return final
         return _atomic_build(final, recipe, write)
@@ -255,12 +259,12 @@ def _train_tokenizer():
 
 
 def _ensure_tokenizer(models_dir: Path) -> Path:
-    """The shared tokenizer directory, trained once (caller holds the build lock)."""
+    """The shared tokenizer directory, trained once (under its own build lock; the caller holds none)."""
     final = models_dir / TOKENIZER_DIR
     recipe = _tokenizer_recipe()
     if _read_build_hash(final) == _hash(recipe):
         return final
-    return _atomic_build(final, recipe, _write_tokenizer)
+    return build_under_lock(final, recipe, _write_tokenizer)
 
 
 def _write_tokenizer(out: Path) -> dict:
@@ -667,11 +671,10 @@ def ensure_tiny_model(name: str, *, home: Path | None = None, progress: bool = T
     recipe = _model_recipe(name)
     if is_built(final, recipe):
         return final
-    # Before taking the lock: building the parent takes it too, and it is not re-entrant.
+    # Before taking this model's lock: a process holds one build lock at a time.
     parent_dir = ensure_tiny_model(spec.grown_from, home=home, progress=progress) if spec.grown_from else None
-    # The tokenizer is ensured inside `write`, so under the same lock.
-    return build_under_lock(final, recipe, lambda tmp: _write_model(name, _ensure_tokenizer(models_dir), tmp,
-                                                                     progress, parent_dir))
+    tokenizer_dir = _ensure_tokenizer(models_dir)
+    return build_under_lock(final, recipe, lambda tmp: _write_model(name, tokenizer_dir, tmp, progress, parent_dir))
 
 
 def _write_model(name: str, tokenizer_dir: Path, out: Path, progress: bool, parent_dir: Path | None) -> dict:

@@ -15,7 +15,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infra.settings import kvlingo_home
 from translators.alignment import (
     Alignment,
     AlignmentError,
@@ -415,37 +414,3 @@ def test_token_offsets_of_a_slow_tokenizer_says_to_load_the_fast_one():
     assert isinstance(caught.value.__cause__, NotImplementedError)
     with pytest.raises(AlignmentError, match="fake/words.*fast"):
         token_offsets(_FakeTokenizer(is_fast=False), "one two")
-
-
-# ---------------------------------------------------------------------- real tokenizers
-
-
-def _cached_tokenizer(*names: str):
-    """The first cached tokenizer directory among ``names``, loaded; skip when none is cached."""
-    models = kvlingo_home() / "models"
-    for name in names:
-        if (models / name / "tokenizer.json").is_file():
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(str(models / name))
-    pytest.skip(f"no cached tokenizer among {names} under {models}")
-
-
-def test_real_tokenizer_offsets_reconstruct_the_text():
-    tokenizer = _cached_tokenizer("tokenizer", "kvlingo-tiny-tokenizer")
-    text = "Summarise this unbelievably long prefix, then answer the question."
-    ids, spans = token_offsets(tokenizer, text)
-    assert len(ids) == len(spans) > 0
-    assert "".join(text[s:e] for s, e in spans) == text
-
-
-def test_real_tokenizers_align_across_a_tokenizer_boundary():
-    source_tok = _cached_tokenizer("tokenizer", "kvlingo-tiny-tokenizer")
-    target_tok = _cached_tokenizer("smollm2-135m-instruct-b179c9523d0e")
-    text = "Summarise this unbelievably long prefix about a café in Zürich."
-    _, source = token_offsets(source_tok, text)
-    _, target = token_offsets(target_tok, text)
-    alignment = align(source, target, text=text)
-    assert alignment.n_source == len(source) and alignment.n_target == len(target)
-    assert 0.0 < alignment.one_to_one_share() <= 1.0
-    assert list(alignment.assigned) == sorted(alignment.assigned)

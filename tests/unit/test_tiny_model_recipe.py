@@ -139,3 +139,40 @@ def test_grow_refuses_a_smaller_or_incompatible_config_naming_every_problem():
     bad.head_dim = 8
     with pytest.raises(ConfigError, match=r"hidden_size 64 -> 32 must not shrink.*head_dim differs \(16 vs 8\)"):
         grow_qwen3(parent, bad)
+
+
+def test_builds_of_different_models_proceed_while_one_is_locked_and_the_same_model_waits(tmp_path):
+    """Two test workers (or users) deriving different embedded models build them at the same time; a second
+    builder of the same model waits for the first and then reuses its build instead of training again."""
+    import threading
+
+    from infra import tiny_models
+
+    models = tmp_path / "models"
+    writes = []
+
+    def write(tmp):
+        writes.append(tmp.name)
+        (tmp / "weights").write_text("w")
+
+    release = threading.Event()
+    holding = threading.Event()
+
+    def hold_a():
+        with tiny_models._build_lock(models / "a"):
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_a)
+    holder.start()
+    assert holding.wait(10)
+    assert tiny_models.build_under_lock(models / "b", {"r": 1}, write) == models / "b"  # not blocked by a's lock
+    waiting = threading.Thread(target=tiny_models.build_under_lock, args=(models / "a", {"r": 2}, write))
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive() and len(writes) == 1  # a's builder waits for a's lock
+    release.set()
+    holder.join(10)
+    waiting.join(10)
+    assert not waiting.is_alive() and len(writes) == 2 and tiny_models.is_built(models / "a", {"r": 2})
+    assert tiny_models.build_under_lock(models / "a", {"r": 2}, write) == models / "a" and len(writes) == 2
