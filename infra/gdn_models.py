@@ -426,20 +426,9 @@ class _AttentionIO:
             handle.remove()
 
 
-def _lr_at(step: int, total: int, peak: float, warmup_frac: float) -> float:
-    """Linear warm-up then cosine decay to 10% of the peak (the tiny builds' schedule)."""
-    import math
-
-    warmup = max(1, int(total * warmup_frac))
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
 def _train(params: list, loss_of, rows: dict, steps: int, spec, lr: float, *, progress: bool,
            description: str) -> list[float]:
-    """AdamW (no weight decay) over ``steps`` batches of ``spec.batch_size`` conversations from ``rows``.
+    """AdamW (no weight decay) over ``steps`` batches of ``spec.batch_size`` conversations from ``rows``, cycling.
 
     Raises:
         RuntimeError: a non-finite loss.
@@ -447,33 +436,15 @@ def _train(params: list, loss_of, rows: dict, steps: int, spec, lr: float, *, pr
     import torch
 
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    losses: list[float] = []
     n_rows = len(rows["input_ids"])
-    bar, task = tiny_models._progress_bar(progress, description, steps)
+    batches = (_batch(rows, (step * spec.batch_size) % n_rows, spec.batch_size) for step in range(steps))
     # One thread: a step is thousands of tiny kernels (the chunked delta rule's Python loops), and under the
     # platform's OMP_WAIT_POLICY=PASSIVE (infra.settings) a second thread mostly waits to be woken. Measured on
     # kvlingo-tiny-l-gdn (2 cores, session 16): 174 ms per KL step on one thread against 271 on two (113 vs 206 ms
     # per MSE step); with libgomp's default active waiting two threads took 112 ms.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with bar:
-            for step in range(steps):
-                for group in optimizer.param_groups:
-                    group["lr"] = _lr_at(step, steps, lr, spec.warmup_frac)
-                loss = loss_of(_batch(rows, (step * spec.batch_size) % n_rows, spec.batch_size))
-                if not torch.isfinite(loss):
-                    raise RuntimeError(f"{description}: non-finite loss at step {step}")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                losses.append(loss.item())
-                recent = losses[-10:]
-                bar.update(task, advance=1, loss=f"{sum(recent) / len(recent):.3f}")
-    finally:
-        torch.set_num_threads(threads)
-    return losses
+    return tiny_models.optimise(optimizer, params, loss_of, batches,
+                                lambda step: tiny_models.lr_at(step, steps, lr, spec.warmup_frac), steps=steps,
+                                threads=1, progress=progress, description=description)
 
 
 def align_mixers(hybrid, parent, rows: dict, spec, *, progress: bool = True,

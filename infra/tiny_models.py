@@ -35,7 +35,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -472,13 +472,55 @@ def _batches(rows: dict, batch_size: int) -> Iterator[dict]:
         yield {key: value[start:start + batch_size] for key, value in rows.items()}
 
 
-def _lr_at(step: int, total: int, spec: TinyModelSpec) -> float:
-    """Linear warm-up then cosine decay to 10% of the peak learning rate."""
-    warmup = max(1, int(total * spec.warmup_frac))
+def lr_at(step: int, total: int, peak: float, warmup_frac: float) -> float:
+    """Linear warm-up then cosine decay to 10% of ``peak`` (every embedded build's schedule)."""
+    warmup = max(1, int(total * warmup_frac))
     if step < warmup:
-        return spec.lr * (step + 1) / warmup
+        return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
-    return spec.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def optimise(optimizer, params: list, loss_of, batches: Iterable[dict], lr_of, *, steps: int, threads: int,
+             progress: bool, description: str, after_step=None) -> list[float]:
+    """The embedded builds' training loop: per batch set the learning rate ``lr_of(step)``, step ``optimizer`` on
+    ``loss_of(batch)`` with gradients of ``params`` clipped to norm 1; ``after_step(step)`` runs after each step.
+
+    Runs on ``threads`` torch threads and restores the caller's count, also on error: the fp32 sums, and so a
+    built model, must not depend on who asked for the build (test workers run one thread each).
+
+    Returns:
+        The loss of every step.
+
+    Raises:
+        RuntimeError: a non-finite loss (the step is not applied).
+    """
+    import torch
+
+    losses: list[float] = []
+    bar, task = _progress_bar(progress, description, steps)
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with bar:
+            for step, batch in enumerate(batches):
+                for group in optimizer.param_groups:
+                    group["lr"] = lr_of(step)
+                loss = loss_of(batch)
+                if not torch.isfinite(loss):
+                    raise RuntimeError(f"{description}: non-finite loss at step {step}")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                losses.append(loss.item())
+                recent = losses[-10:]
+                bar.update(task, advance=1, loss=f"{sum(recent) / len(recent):.3f}")
+                if after_step is not None:
+                    after_step(step)
+    finally:
+        torch.set_num_threads(caller_threads)
+    return losses
 
 
 def _optimizer(model, spec: TinyModelSpec):
@@ -615,33 +657,18 @@ def train_tiny_model(name: str, tokenizer, *, parent=None, progress: bool = True
     optimizer = _optimizer(model, spec)
     # The last layer: a copy head there writes the copied token straight into the unembedding.
     tap = _AttentionTap(model.model.layers[-1].self_attn)
-    recent: list[float] = []
-    bar, task = _progress_bar(progress, name, spec.steps)
-    # A fixed thread count, whatever the caller runs on (the test workers run one thread each): the build's fp32
-    # sums, and so the model, then do not depend on who asked for it first. Two, not one: unlike the hybrids'
-    # tiny delta-rule kernels these [16 x 512]-token steps gain from a second thread: in a test run on one thread
-    # (session 17, nothing else running) kvlingo-tiny-s took 382 s against 209 s on two (the demo's build, README).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    # Two threads, not one: unlike the hybrids' tiny delta-rule kernels these [16 x 512]-token steps gain from a
+    # second thread: in a test run on one thread (session 17, nothing else running) kvlingo-tiny-s took 382 s
+    # against 209 s on two (the demo's build, README).
     try:
-        with bar:
-            for step, batch in enumerate(_batches(rows, spec.batch_size)):
-                for group in optimizer.param_groups:
-                    group["lr"] = _lr_at(step, spec.steps, spec)
-                loss = _step_loss(model, tap, batch, spec)
-                if not torch.isfinite(loss):
-                    raise RuntimeError(f"{name}: non-finite training loss at step {step}")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                recent = (recent + [loss.item()])[-10:]
-                bar.update(task, advance=1, loss=f"{sum(recent) / len(recent):.3f}")
-                if callback is not None:
-                    callback(step, model)
+        losses = optimise(optimizer, list(model.parameters()), lambda batch: _step_loss(model, tap, batch, spec),
+                          _batches(rows, spec.batch_size), lambda step: lr_at(step, spec.steps, spec.lr,
+                                                                                 spec.warmup_frac),
+                          steps=spec.steps, threads=min(2, os.cpu_count() or 1), progress=progress, description=name,
+                          after_step=None if callback is None else lambda step: callback(step, model))
     finally:
-        torch.set_num_threads(threads)
         tap.close()
+    recent = losses[-10:]
     model.eval()
     return model, sum(recent) / len(recent)
 

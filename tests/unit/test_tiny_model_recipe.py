@@ -176,3 +176,56 @@ def test_builds_of_different_models_proceed_while_one_is_locked_and_the_same_mod
     waiting.join(10)
     assert not waiting.is_alive() and len(writes) == 2 and tiny_models.is_built(models / "a", {"r": 2})
     assert tiny_models.build_under_lock(models / "a", {"r": 2}, write) == models / "a" and len(writes) == 2
+
+
+def test_the_shared_training_loop_matches_a_plain_adamw_loop_and_pins_threads():
+    """`optimise` against a hand-written loop on a least-squares problem: same losses and weights, on the thread
+    count asked for, the caller's count restored, ``after_step`` after every step."""
+    from infra.tiny_models import lr_at, optimise
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [{"x": torch.randn(8, 3, generator=generator), "y": torch.randn(8, generator=generator)}] * 6
+
+    def run_reference() -> tuple[list[float], torch.Tensor]:
+        weight = torch.nn.Parameter(torch.zeros(3))
+        optimizer = torch.optim.AdamW([weight], lr=0.1)
+        losses = []
+        for step, batch in enumerate(batches):
+            optimizer.param_groups[0]["lr"] = lr_at(step, len(batches), 0.1, 0.2)
+            loss = (batch["x"] @ weight - batch["y"]).pow(2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([weight], 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+        return losses, weight.detach()
+
+    weight = torch.nn.Parameter(torch.zeros(3))
+    threads_seen, after = [], []
+
+    def loss_of(batch):
+        threads_seen.append(torch.get_num_threads())
+        return (batch["x"] @ weight - batch["y"]).pow(2).mean()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        losses = optimise(torch.optim.AdamW([weight], lr=0.1), [weight], loss_of, iter(batches),
+                          lambda step: lr_at(step, len(batches), 0.1, 0.2), steps=len(batches), threads=1,
+                          progress=False, description="lsq", after_step=after.append)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    reference_losses, reference_weight = run_reference()
+    assert losses == pytest.approx(reference_losses, rel=1e-6)
+    assert torch.allclose(weight.detach(), reference_weight, atol=1e-6)
+    assert threads_seen == [1] * 6 and after == list(range(6))
+    assert losses[-1] < losses[0]
+
+
+def test_the_schedule_warms_up_linearly_then_decays_to_a_tenth():
+    from infra.tiny_models import lr_at
+
+    assert [lr_at(step, 10, 1.0, 0.2) for step in (0, 1)] == [0.5, 1.0]
+    assert lr_at(9, 10, 1.0, 0.2) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert lr_at(10, 10, 1.0, 0.2) == pytest.approx(0.1)
