@@ -16,7 +16,10 @@ PAIRS = [("kvlingo-tiny-l", "kvlingo-tiny-s-gdn"), ("kvlingo-tiny-s-gdn", "kvlin
 @pytest.fixture(scope="module", params=PAIRS, ids=lambda pair: "->".join(pair))
 def report(request):
     source, target = request.param
-    return fit_report(source, target, n_fit=200, n_val=60, distill_steps=150, distill_lr=3e-4, recall=60)
+    # 400 stage-2 steps, 120 recall items: at 150 steps and 60 items tiny-s-gdn -> tiny-l scored distilled recall
+    # 0.600 here but 0.517 on CI's machine (its builds differ in fp32 rounding), a margin within one standard error
+    # (0.064); at 400 steps the held-out KL is still falling at step 320 (0.139 vs 0.242 at 150).
+    return fit_report(source, target, n_fit=200, n_val=60, distill_steps=400, distill_lr=3e-4, recall=120)
 
 
 def _kl(report) -> dict[str, float]:
@@ -24,8 +27,8 @@ def _kl(report) -> dict[str, float]:
 
 
 def test_distilled_beats_the_zero_state_and_both_controls(report):
-    """Measured (session 12): tiny-l -> tiny-s-gdn zero 1.565, replay 0.269, distilled 0.170, empty prefix 3.809,
-    random map 4.314; tiny-s-gdn -> tiny-l translated 0.623, distilled 0.301, empty 3.522, random 7.450."""
+    """Measured (session 18): tiny-l -> tiny-s-gdn zero 1.565, replay 0.269, distilled 0.216, empty prefix 3.809,
+    random map 4.314; tiny-s-gdn -> tiny-l translated 0.623, distilled 0.257, empty 3.522, random 7.323."""
     kl = _kl(report)
     assert kl["distilled"] < min(kl["empty_prefix"], kl["random_map"]) / 4, kl
     assert kl["distilled"] < kl.get("zero", float("inf")), kl
@@ -44,8 +47,8 @@ def test_replay_carries_the_prompt_into_the_hybrids_states(report):
 
 
 def test_the_translated_cache_recalls_what_the_zero_state_cannot(report):
-    """Measured (session 12, 90 items): tiny-l -> tiny-s-gdn target 0.878, zero 0.044, replay 0.611, distilled
-    0.778; tiny-s-gdn -> tiny-l target 0.956, translated 0.400, distilled 0.622, empty prefix 0.0."""
+    """Measured (session 18, 120 items): tiny-l -> tiny-s-gdn target 0.875, zero 0.042, replay 0.600, distilled
+    0.717; tiny-s-gdn -> tiny-l target 0.958, translated 0.417, distilled 0.725, empty prefix 0.0."""
     recall = {key: row["score"] for key, row in report["recall"].items()}
     assert recall["distilled"] >= recall["target_native"] - 0.45, recall
     assert recall["distilled"] > recall["empty_prefix"] + 0.4, recall
