@@ -56,6 +56,39 @@ def models() -> None:
 
 
 @app.command()
+def build(
+    names: Annotated[
+        list[str] | None, typer.Argument(help="embedded models to build (with their parents); default: all")
+    ] = None,
+    jobs: Annotated[int | None, typer.Option(min=1, help="builds at a time, one process each (default: CPU count)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """Build embedded models ahead of first use, independent lineages side by side (the weights do not change:
+    every build trains on a pinned thread count). Exit code 1 if any build failed."""
+    import os
+
+    from infra.embedded import build_embedded, check_embedded_names, embedded_names
+
+    wanted = names or embedded_names()
+    try:
+        check_embedded_names(wanted)
+        started = time.perf_counter()
+        outcomes = build_embedded(wanted, jobs=jobs or os.cpu_count() or 1)
+    except KvlingoError as err:
+        _fail(err)
+    wall = round(time.perf_counter() - started, 1)
+    ok = all(o.status in ("built", "cached") for o in outcomes)
+    if as_json:
+        sys.stdout.write(json.dumps({"wall_seconds": wall, "ok": ok, "models": [vars(o) for o in outcomes]}) + "\n")
+    else:
+        table = Table("model", "status", "seconds", "detail", title=f"kvlingo build ({wall:.1f} s wall)")
+        for o in outcomes:
+            table.add_row(o.name, o.status, f"{o.seconds:.1f}", o.error or o.directory)
+        Console().print(table)
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
 def doctor(
     model: Annotated[str, typer.Argument(help="zoo name, hub id or local model directory")],
     point: Annotated[

@@ -171,7 +171,8 @@ def ensure_gdn_model(name: str, *, home: Path | None = None, progress: bool = Tr
     parent_dir = tiny_models.ensure_tiny_model(spec.parent, home=home, progress=progress)
     mixers_dir = ensure_gdn_model(spec.mixers_from, home=home, progress=progress) if spec.mixers_from else None
     return tiny_models.build_under_lock(final, recipe,
-                                        lambda tmp: _write_model(name, parent_dir, tmp, progress, mixers_dir))
+                                        lambda tmp: _write_model(name, parent_dir, tmp, progress, mixers_dir),
+                                        threads=tiny_models.DERIVED_BUILD_THREADS)
 
 
 def load_gdn_model(name: str, *, home: Path | None = None, progress: bool = True):
@@ -444,7 +445,7 @@ def _train(params: list, loss_of, rows: dict, steps: int, spec, lr: float, *, pr
     # per MSE step); with libgomp's default active waiting two threads took 112 ms.
     return tiny_models.optimise(optimizer, params, loss_of, batches,
                                 lambda step: tiny_models.lr_at(step, steps, lr, spec.warmup_frac), steps=steps,
-                                threads=1, progress=progress, description=description)
+                                threads=tiny_models.DERIVED_BUILD_THREADS, progress=progress, description=description)
 
 
 def align_mixers(hybrid, parent, rows: dict, spec, *, progress: bool = True,

@@ -107,7 +107,8 @@ def ensure_kda_model(name: str, *, home: Path | None = None, progress: bool = Tr
     if tiny_models.is_built(final, recipe):
         return final
     parent_dir = mla_models.ensure_mla_model(spec.parent, home=home, progress=progress)  # before the lock
-    return tiny_models.build_under_lock(final, recipe, lambda tmp: _write_model(name, parent_dir, tmp, progress))
+    return tiny_models.build_under_lock(final, recipe, lambda tmp: _write_model(name, parent_dir, tmp, progress),
+                                        threads=tiny_models.DERIVED_BUILD_THREADS)
 
 
 def load_kda_model(name: str, *, home: Path | None = None, progress: bool = True):

@@ -194,7 +194,8 @@ def ensure_mla_model(name: str, *, home: Path | None = None, progress: bool = Tr
         return final
     # Before taking this model's build lock: a process holds one build lock at a time.
     parent_dir = _ensure_parent(spec.parent, home, progress)
-    return tiny_models.build_under_lock(final, recipe, lambda tmp: _write_model(name, parent_dir, tmp, progress))
+    return tiny_models.build_under_lock(final, recipe, lambda tmp: _write_model(name, parent_dir, tmp, progress),
+                                        threads=tiny_models.DERIVED_BUILD_THREADS)
 
 
 def load_mla_model(name: str, *, home: Path | None = None, progress: bool = True):
@@ -602,11 +603,10 @@ def _train_loop(params: list, loss_of, rows: dict, spec, *, progress: bool, desc
 
     ``loss_of(batch)`` returns a scalar loss tensor. Raises RuntimeError on a non-finite loss.
     """
-    # One thread, fixed: the build must not depend on the caller's thread count (fp32 sums), and one is what the
-    # xdist test workers ran these builds on when the MLA acceptance tests were measured (session 17).
+    # `tiny_models.DERIVED_BUILD_THREADS` (one): the build must not depend on the caller's thread count.
     return tiny_models.optimise(_adamw(params, spec.lr), params, loss_of, tiny_models._batches(rows, spec.batch_size),
                                 lambda step: tiny_models.lr_at(step, spec.steps, spec.lr, spec.warmup_frac),
-                                steps=spec.steps, threads=1, progress=progress,
+                                steps=spec.steps, threads=tiny_models.DERIVED_BUILD_THREADS, progress=progress,
                                 description=description)
 
 

@@ -53,6 +53,17 @@ from translators.errors import ConfigError
 # Bump when the training code or the corpus generator changes behaviour: it invalidates caches.
 RECIPE_VERSION = 2
 BUILD_FILE = "kvlingo_build.json"
+# Torch threads of every build (`build_under_lock`): a build's weights depend on its thread count (fp32 sums), so it
+# is fixed here rather than taken from the caller. The pair trains on two (its wider matmuls gain from a second
+# thread), every derived family on one: their steps are thousands of tiny kernels, and under the platform's
+# OMP_WAIT_POLICY=PASSIVE (infra.settings) a second thread mostly waits to be woken (`infra.gdn_models._train`).
+# One is also what the xdist test workers ran them on when the acceptance numbers were measured.
+DERIVED_BUILD_THREADS = 1
+
+
+def pair_build_threads() -> int:
+    """Threads of a tiny-pair build: two, or one on a one-core machine."""
+    return min(2, os.cpu_count() or 1)
 TOKENIZER_DIR = "kvlingo-tiny-tokenizer"
 
 ENDOFTEXT = "<|endoftext|>"
@@ -188,14 +199,32 @@ def is_built(final: Path, recipe: dict) -> bool:
     return _read_build_hash(final) == _hash(recipe)
 
 
-def build_under_lock(final: Path, recipe: dict, write) -> Path:
-    """Build ``final`` with ``write(tmp_dir)`` (see :func:`_atomic_build`) under its own build lock,
-    unless another process built it while we waited for the lock. Callers build parents first: the lock is not
-    re-entrant."""
+def build_under_lock(final: Path, recipe: dict, write, *, threads: int) -> Path:
+    """Build ``final`` with ``write(tmp_dir)`` (see :func:`_atomic_build`) on ``threads`` torch threads under its
+    own build lock, unless another process built it while we waited for the lock. Callers build parents first: the
+    lock is not re-entrant.
+
+    The whole build is pinned, not only its training loop: a conversion's SVD rounds differently on another thread
+    count too (kvlingo-tiny-s-mla built from a two-thread CLI differed from one built in a one-thread test worker).
+    """
     with _build_lock(final):
         if is_built(final, recipe):
             return final
-        return _atomic_build(final, recipe, write)
+        with pinned_threads(threads):
+            return _atomic_build(final, recipe, write)
+
+
+@contextlib.contextmanager
+def pinned_threads(threads: int) -> Iterator[None]:
+    """Run the block on ``threads`` torch threads; the caller's count is restored, also on error."""
+    import torch
+
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller_threads)
 
 
 def _atomic_build(final: Path, recipe: dict, write) -> Path:
@@ -264,7 +293,7 @@ def _ensure_tokenizer(models_dir: Path) -> Path:
     recipe = _tokenizer_recipe()
     if _read_build_hash(final) == _hash(recipe):
         return final
-    return build_under_lock(final, recipe, _write_tokenizer)
+    return build_under_lock(final, recipe, _write_tokenizer, threads=DERIVED_BUILD_THREADS)
 
 
 def _write_tokenizer(out: Path) -> dict:
@@ -499,27 +528,22 @@ def optimise(optimizer, params: list, loss_of, batches: Iterable[dict], lr_of, *
 
     losses: list[float] = []
     bar, task = _progress_bar(progress, description, steps)
-    caller_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with bar:
-            for step, batch in enumerate(batches):
-                for group in optimizer.param_groups:
-                    group["lr"] = lr_of(step)
-                loss = loss_of(batch)
-                if not torch.isfinite(loss):
-                    raise RuntimeError(f"{description}: non-finite loss at step {step}")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                losses.append(loss.item())
-                recent = losses[-10:]
-                bar.update(task, advance=1, loss=f"{sum(recent) / len(recent):.3f}")
-                if after_step is not None:
-                    after_step(step)
-    finally:
-        torch.set_num_threads(caller_threads)
+    with pinned_threads(threads), bar:
+        for step, batch in enumerate(batches):
+            for group in optimizer.param_groups:
+                group["lr"] = lr_of(step)
+            loss = loss_of(batch)
+            if not torch.isfinite(loss):
+                raise RuntimeError(f"{description}: non-finite loss at step {step}")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+            recent = losses[-10:]
+            bar.update(task, advance=1, loss=f"{sum(recent) / len(recent):.3f}")
+            if after_step is not None:
+                after_step(step)
     return losses
 
 
@@ -664,7 +688,7 @@ def train_tiny_model(name: str, tokenizer, *, parent=None, progress: bool = True
         losses = optimise(optimizer, list(model.parameters()), lambda batch: _step_loss(model, tap, batch, spec),
                           _batches(rows, spec.batch_size), lambda step: lr_at(step, spec.steps, spec.lr,
                                                                                  spec.warmup_frac),
-                          steps=spec.steps, threads=min(2, os.cpu_count() or 1), progress=progress, description=name,
+                          steps=spec.steps, threads=pair_build_threads(), progress=progress, description=name,
                           after_step=None if callback is None else lambda step: callback(step, model))
     finally:
         tap.close()
@@ -708,7 +732,8 @@ def ensure_tiny_model(name: str, *, home: Path | None = None, progress: bool = T
     # Before taking this model's lock: a process holds one build lock at a time.
     parent_dir = ensure_tiny_model(spec.grown_from, home=home, progress=progress) if spec.grown_from else None
     tokenizer_dir = _ensure_tokenizer(models_dir)
-    return build_under_lock(final, recipe, lambda tmp: _write_model(name, tokenizer_dir, tmp, progress, parent_dir))
+    return build_under_lock(final, recipe, lambda tmp: _write_model(name, tokenizer_dir, tmp, progress, parent_dir),
+                            threads=pair_build_threads())
 
 
 def _write_model(name: str, tokenizer_dir: Path, out: Path, progress: bool, parent_dir: Path | None) -> dict:

@@ -211,16 +211,9 @@ def _load_pretrained(directory: str, spec: ModelSpec, dtype: torch.dtype):
 def _materialise(spec: ModelSpec) -> tuple[str, dict[str, Any]]:
     """A local directory for `spec` plus the identity that pins its weights."""
     if spec.source == "embedded":
-        from infra.gdn_models import GDN_MODELS, ensure_gdn_model
-        from infra.kda_models import KDA_MODELS, ensure_kda_model
-        from infra.tiny_models import ensure_tiny_model
+        from infra.embedded import ensure_embedded
 
-        if spec.location in GDN_MODELS:
-            directory = ensure_gdn_model(spec.location)
-        elif spec.location in KDA_MODELS:
-            directory = ensure_kda_model(spec.location)
-        else:
-            directory = ensure_tiny_model(spec.location)
+        directory = ensure_embedded(spec.location)
         build = json.loads((directory / "kvlingo_build.json").read_text())
         return str(directory), {"source": "embedded", "name": spec.name, "recipe_hash": build["recipe_hash"]}
     if spec.source == "gguf_package":

@@ -166,8 +166,9 @@ def test_builds_of_different_models_proceed_while_one_is_locked_and_the_same_mod
     holder = threading.Thread(target=hold_a)
     holder.start()
     assert holding.wait(10)
-    assert tiny_models.build_under_lock(models / "b", {"r": 1}, write) == models / "b"  # not blocked by a's lock
-    waiting = threading.Thread(target=tiny_models.build_under_lock, args=(models / "a", {"r": 2}, write))
+    assert tiny_models.build_under_lock(models / "b", {"r": 1}, write, threads=1) == models / "b"  # not blocked by a's lock
+    waiting = threading.Thread(target=tiny_models.build_under_lock, args=(models / "a", {"r": 2}, write),
+                               kwargs={"threads": 1})
     waiting.start()
     waiting.join(0.5)
     assert waiting.is_alive() and len(writes) == 1  # a's builder waits for a's lock
@@ -175,7 +176,34 @@ def test_builds_of_different_models_proceed_while_one_is_locked_and_the_same_mod
     holder.join(10)
     waiting.join(10)
     assert not waiting.is_alive() and len(writes) == 2 and tiny_models.is_built(models / "a", {"r": 2})
-    assert tiny_models.build_under_lock(models / "a", {"r": 2}, write) == models / "a" and len(writes) == 2
+    assert tiny_models.build_under_lock(models / "a", {"r": 2}, write, threads=1) == models / "a" and len(writes) == 2
+
+
+def test_a_whole_build_runs_on_its_pinned_thread_count_and_restores_the_callers(tmp_path):
+    """Not only the training loop: the conversion before it (an SVD) rounds differently on another thread count."""
+    from infra import tiny_models
+
+    seen = []
+
+    def write(tmp):
+        seen.append(torch.get_num_threads())
+        (tmp / "weights").write_text("w")
+
+    def failing_write(tmp):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("conversion failed")
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tiny_models.build_under_lock(tmp_path / "a", {"r": 1}, write, threads=1)
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="conversion failed"):
+            tiny_models.build_under_lock(tmp_path / "b", {"r": 1}, failing_write, threads=1)
+        assert torch.get_num_threads() == 2 and not (tmp_path / "b").exists()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1]
 
 
 def test_the_shared_training_loop_matches_a_plain_adamw_loop_and_pins_threads():
