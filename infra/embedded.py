@@ -128,7 +128,7 @@ class BuildOutcome:
 
     name: str
     status: str  # "built" | "cached" | "failed" | "skipped" (a parent failed)
-    seconds: float  # wall time of its own build (0 when cached or skipped)
+    seconds: float  # wall time of its own build in its worker (0 when cached or skipped)
     directory: str = ""
     error: str = ""
 
@@ -142,7 +142,8 @@ def build_embedded(names: Sequence[str], *, jobs: int, home: Path | None = None,
 
     Args:
         builder: ``(name, home) -> (directory, built)`` run in the workers; it must be importable by the spawned
-            processes (a module-level function). Default :func:`_build_one`.
+            processes (a module-level function). Default :func:`_build_one`. It is timed inside the worker, so a
+            model's seconds leave out its wait for a free worker.
 
     Returns:
         One outcome per model, parents before children.
@@ -155,33 +156,40 @@ def build_embedded(names: Sequence[str], *, jobs: int, home: Path | None = None,
     order = with_ancestors(names)
     builder = builder or _build_one
     outcomes: dict[str, BuildOutcome] = {}
-    started: dict[Future, tuple[str, float]] = {}
+    started: dict[Future, str] = {}
     home_arg = str(home) if home is not None else None
     # spawn, not fork: the parent may hold torch's thread pools, which a forked child inherits broken.
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         while len(outcomes) < len(order):
             for name in order:
-                if name in outcomes or any(name == running for running, _ in started.values()):
+                if name in outcomes or name in started.values():
                     continue
                 parents = embedded_parents(name)
                 if any(outcomes.get(p) is not None and outcomes[p].status in ("failed", "skipped") for p in parents):
                     outcomes[name] = BuildOutcome(name, "skipped", 0.0, error="a parent failed to build")
                 elif all(p in outcomes for p in parents):
-                    started[pool.submit(builder, name, home_arg)] = (name, time.perf_counter())
+                    started[pool.submit(_timed, builder, name, home_arg)] = name
             if not started:
                 continue  # only skips were decided this round
             done, _ = wait(started, return_when=FIRST_COMPLETED)
             for future in done:
-                name, t0 = started.pop(future)
-                seconds = round(time.perf_counter() - t0, 1)
+                name = started.pop(future)
                 try:
-                    directory, built = future.result()
+                    directory, built, seconds = future.result()
                 except Exception as err:  # reported per model; the other lineages go on building
-                    outcomes[name] = BuildOutcome(name, "failed", seconds, error=f"{type(err).__name__}: {err}")
+                    outcomes[name] = BuildOutcome(name, "failed", 0.0, error=f"{type(err).__name__}: {err}")
                 else:
                     outcomes[name] = BuildOutcome(name, "built" if built else "cached",
-                                                  seconds if built else 0.0, directory)
+                                                  round(seconds, 1) if built else 0.0, directory)
     return [outcomes[name] for name in order]
+
+
+def _timed(builder: Callable[[str, str | None], tuple[str, bool]], name: str, home: str | None
+           ) -> tuple[str, bool, float]:
+    """Worker: ``builder(name, home)`` and its wall time in this process."""
+    started = time.perf_counter()
+    directory, built = builder(name, home)
+    return directory, built, time.perf_counter() - started
 
 
 def _build_one(name: str, home: str | None) -> tuple[str, bool]:

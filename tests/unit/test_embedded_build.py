@@ -59,7 +59,9 @@ def test_a_model_starts_only_after_its_parents_and_independent_lineages_overlap(
                                 cached=["kvlingo-tiny-s"])
     assert outcomes["kvlingo-tiny-s"].status == "cached" and outcomes["kvlingo-tiny-s"].seconds == 0.0
     built = ["kvlingo-tiny-l", "kvlingo-tiny-s-gdn", "kvlingo-tiny-l-gdn", "kvlingo-tiny-s-mla", "kvlingo-tiny-kda"]
-    assert all(outcomes[n].status == "built" and outcomes[n].seconds >= 1.0 for n in built)
+    assert all(outcomes[n].status == "built" for n in built)
+    # A model's seconds are its own build's, not its wait for a free worker (five builds queued on two workers).
+    assert all(abs(outcomes[n].seconds - (spans[n]["end"] - spans[n]["start"])) < 0.3 for n in built)
     for name in built:
         for parent in embedded_parents(name):
             if parent in spans:
