@@ -165,8 +165,9 @@ def build_embedded(names: Sequence[str], *, jobs: int, home: Path | None = None,
                 if name in outcomes or name in started.values():
                     continue
                 parents = embedded_parents(name)
-                if any(outcomes.get(p) is not None and outcomes[p].status in ("failed", "skipped") for p in parents):
-                    outcomes[name] = BuildOutcome(name, "skipped", 0.0, error="a parent failed to build")
+                unbuilt = [p for p in parents if p in outcomes and outcomes[p].status in ("failed", "skipped")]
+                if unbuilt:
+                    outcomes[name] = BuildOutcome(name, "skipped", 0.0, error=f"not built: its parent {unbuilt[0]} was not")
                 elif all(p in outcomes for p in parents):
                     started[pool.submit(_timed, builder, name, home_arg)] = name
             if not started:

@@ -77,6 +77,7 @@ def test_a_failed_build_skips_its_descendants_and_the_other_lineage_finishes(tmp
     assert outcomes["kvlingo-tiny-s-mla"].status == "failed"
     assert "stub failure in kvlingo-tiny-s-mla" in outcomes["kvlingo-tiny-s-mla"].error
     assert outcomes["kvlingo-tiny-kda"].status == outcomes["kvlingo-tiny-s-dsa"].status == "skipped"
+    assert outcomes["kvlingo-tiny-kda"].error == "not built: its parent kvlingo-tiny-s-mla was not"
     assert {"kvlingo-tiny-s", "kvlingo-tiny-l", "kvlingo-tiny-s-gdn", "kvlingo-tiny-l-gdn"} == set(spans)
 
 
