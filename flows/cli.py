@@ -67,13 +67,11 @@ def build(
     every build trains on a pinned thread count). Exit code 1 if any build failed."""
     import os
 
-    from infra.embedded import build_embedded, check_embedded_names, embedded_names
+    from infra.embedded import build_embedded, embedded_names
 
-    wanted = names or embedded_names()
-    try:
-        check_embedded_names(wanted)
-        started = time.perf_counter()
-        outcomes = build_embedded(wanted, jobs=jobs or os.cpu_count() or 1)
+    started = time.perf_counter()
+    try:  # every name is checked before anything builds
+        outcomes = build_embedded(names or embedded_names(), jobs=jobs or os.cpu_count() or 1)
     except KvlingoError as err:
         _fail(err)
     wall = round(time.perf_counter() - started, 1)

@@ -2,8 +2,8 @@
 
 Every embedded model is derived from others (`kvlingo-tiny-l` grows from `kvlingo-tiny-s`, the hybrids from the
 pair, `kvlingo-tiny-l-gdn`'s mixers from `kvlingo-tiny-s-gdn`'s, the Kimi-Linear hybrid from
-`kvlingo-tiny-s-mla`). Each build trains on a pinned thread count (`infra.tiny_models.optimise`) so that its
-weights do not depend on the machine's core count; a build therefore leaves the other cores idle, and two
+`kvlingo-tiny-s-mla`). Each build runs on a pinned thread count (`infra.tiny_models.build_under_lock`) so that its
+weights do not depend on the caller's or the machine's; a build therefore leaves the other cores idle, and two
 independent lineages (the GDN pair beside the MLA family) build side by side in separate processes without
 changing a single weight. :func:`build_embedded` does that: a model starts once its parents are built, at most
 ``jobs`` at a time.
@@ -23,11 +23,11 @@ from translators.errors import ConfigError
 
 
 def embedded_names() -> list[str]:
-    """Every embedded model, parents before children."""
+    """Every embedded model, parents before children (each family derives only from the ones listed before it,
+    and within a family parents come first: `tests/unit/test_embedded_build.py` checks the order)."""
     from infra import gdn_models, kda_models, mla_models, tiny_models
 
-    names = [*tiny_models.TINY_MODELS, *mla_models.MLA_MODELS, *gdn_models.GDN_MODELS, *kda_models.KDA_MODELS]
-    return _parents_first(names)
+    return [*tiny_models.TINY_MODELS, *mla_models.MLA_MODELS, *gdn_models.GDN_MODELS, *kda_models.KDA_MODELS]
 
 
 def embedded_parents(name: str) -> tuple[str, ...]:
@@ -91,27 +91,8 @@ def with_ancestors(names: Sequence[str]) -> list[str]:
     return [name for name in embedded_names() if name in closure]
 
 
-def _parents_first(names: Sequence[str]) -> list[str]:
-    """``names`` reordered so that every parent among them comes before its children (otherwise stable)."""
-    order: list[str] = []
-
-    def visit(name: str) -> None:
-        if name in order:
-            return
-        for parent in embedded_parents(name):
-            if parent in names:
-                visit(parent)
-        order.append(name)
-
-    for name in names:
-        visit(name)
-    return order
-
-
 def _unknown_message(unknown: Sequence[str]) -> str:
-    from infra import gdn_models, kda_models, mla_models, tiny_models
-
-    known = [*tiny_models.TINY_MODELS, *mla_models.MLA_MODELS, *gdn_models.GDN_MODELS, *kda_models.KDA_MODELS]
+    known = embedded_names()
     parts = []
     for name in unknown:
         close = difflib.get_close_matches(name, known, n=1)

@@ -54,8 +54,8 @@ from translators.errors import ConfigError
 RECIPE_VERSION = 2
 BUILD_FILE = "kvlingo_build.json"
 # Torch threads of every build (`build_under_lock`): a build's weights depend on its thread count (fp32 sums), so it
-# is fixed here rather than taken from the caller. The pair trains on two (its wider matmuls gain from a second
-# thread), every derived family on one: their steps are thousands of tiny kernels, and under the platform's
+# is fixed here rather than taken from the caller. The pair trains on two, the count its recipe and the README's
+# numbers were measured with (changing it would change the pair); every derived family on one: their steps are thousands of tiny kernels, and under the platform's
 # OMP_WAIT_POLICY=PASSIVE (infra.settings) a second thread mostly waits to be woken (`infra.gdn_models._train`).
 # One is also what the xdist test workers ran them on when the acceptance numbers were measured.
 DERIVED_BUILD_THREADS = 1
