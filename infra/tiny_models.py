@@ -54,9 +54,9 @@ from translators.errors import ConfigError
 RECIPE_VERSION = 2
 BUILD_FILE = "kvlingo_build.json"
 # Torch threads of every build (`build_under_lock`): a build's weights depend on its thread count (fp32 sums), so it
-# is fixed here rather than taken from the caller. The pair trains on two, the count its recipe and the README's
-# numbers were measured with (changing it would change the pair); every derived family on one: their steps are thousands of tiny kernels, and under the platform's
-# OMP_WAIT_POLICY=PASSIVE (infra.settings) a second thread mostly waits to be woken (`infra.gdn_models._train`).
+# is fixed here rather than taken from the caller. The pair trains on two (its [16 x 512]-token steps gain from a
+# second thread: see `train_tiny_model`); every derived family on one: their steps are thousands of tiny kernels, and
+# under OMP_WAIT_POLICY=PASSIVE (infra.settings) a second thread mostly waits to be woken (`infra.gdn_models._train`).
 # One is also what the xdist test workers ran them on when the acceptance numbers were measured.
 DERIVED_BUILD_THREADS = 1
 
