@@ -159,6 +159,8 @@ def fit(
     point: Annotated[str | None, typer.Option(help="capture point: pre_norm | post_norm | post_rope")] = None,
     ridge: Annotated[float | None, typer.Option(help="ridge λ relative to the mean diagonal (0: pseudo-inverse)")] = None,
     head_wise: Annotated[bool | None, typer.Option("--head-wise/--head-mixing", help="block-diagonal maps")] = None,
+    state_ridge: Annotated[float | None, typer.Option(help="hybrid pairs: shrinkage of the state corrections towards "
+                           "plain copy (λ relative to the mean Gram diagonal)")] = None,
     weighting: Annotated[str | None, typer.Option(help="stage-1 norm: uniform | attention (App. O)")] = None,
     token_identity: Annotated[str | None, typer.Option(help="append the target's embedding of each token id to the "
                               "maps' input: codebook (decoded from the source's layer-0 cache) | ids")] = None,
@@ -200,7 +202,8 @@ def fit(
 
     overrides = dict(
         source=source, target=target, stage1_only=stage1_only or None, assignment=assignment, nu=nu, point=point,
-        ridge=ridge, head_wise=head_wise, weighting=weighting, token_identity=token_identity, data=data, n_train=n_train, stats_samples=stats_samples, n_val=n_val, seed=seed, output_dir=output_dir,
+        ridge=ridge, head_wise=head_wise, state_ridge=state_ridge, weighting=weighting, token_identity=token_identity,
+        data=data, n_train=n_train, stats_samples=stats_samples, n_val=n_val, seed=seed, output_dir=output_dir,
         steps=steps, lr=lr, n_select=n_select, workers=workers, gpu=gpu, ray_address=ray_address, resume=resume,
     )
     try:

@@ -67,7 +67,7 @@ def recall_scores(src, tgt, translators: dict, n_items: int) -> dict[str, dict]:
 
 
 def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: int = 60, ridge_kv: float = 1e-4,
-               ridge_state: float = 1e-3, passes: int = 2, distill_steps: int = 0, distill_lr: float = 1e-3,
+               ridge_state: float | None = None, passes: int = 2, distill_steps: int = 0, distill_lr: float = 1e-3,
                recompute: Sequence[int] = (), recall: int = 0, token_identity: str | None = None,
                progress: bool = False) -> dict:
     """Fit and score every state strategy the pair admits, for one direction; returns the report dict (JSON-able).
@@ -90,8 +90,8 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
     ``token_identity`` ("ids" or "codebook"): every map also reads the target's embedding of each token.
 
     Raises:
-        ConfigError: unknown model names, or a recompute depth outside [1, the target's layers] (checked before
-            anything is fitted).
+        ConfigError: unknown model names, ridge_state <= 0, or a recompute depth outside [1, the target's layers]
+            (checked before anything is fitted).
     """
     from infra.zoo import load_model
     from translators.errors import ConfigError
@@ -108,8 +108,22 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         strategies_for,
     )
     from translators.partial_recompute import compute_fraction
-    from translators.states import COPY, CORRECTED, REPLAY, ZERO, linear_layers, read_metric, same_state_geometry
+    from translators.states import (
+        COPY,
+        CORRECTED,
+        REPLAY,
+        STATE_RIDGE,
+        ZERO,
+        linear_layers,
+        read_metric,
+        same_state_geometry,
+    )
 
+    if ridge_state is None:
+        ridge_state = STATE_RIDGE
+    if ridge_state <= 0:
+        raise ConfigError(f"ridge_state must be > 0 (the shrinkage of the state corrections towards plain copy), "
+                          f"got {ridge_state}")
     started = time.perf_counter()
     src, tgt = load_model(source_name), load_model(target_name)
     source_model, tokenizer, source = src.model, src.tokenizer, src.layout
@@ -180,7 +194,8 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
                                                       recompute=k))} for k in recompute]
     recall_rows = recall_scores(src, tgt, translators, recall) if recall > 0 else {}
     return {
-        "source": source_name, "target": target_name, "n_fit": len(fit), "n_val": len(val), "recall": recall_rows,
+        "source": source_name, "target": target_name, "ridge_state": ridge_state, "n_fit": len(fit), "n_val": len(val),
+        "recall": recall_rows,
         "token_identity": token_identity,
         "strategies": strategies, "distilled_from": start_from if distill_steps > 0 else None,
         "random_map_of": noise_of,
@@ -256,6 +271,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--distill-lr", type=float, default=1e-3, help="stage-2 peak learning rate")
     parser.add_argument("--recompute", type=_depths, default=(),
                         help="comma-separated k: the DroidSpeak baseline recomputing the target's first k layers")
+    parser.add_argument("--ridge-state", type=float, default=None,
+                        help="shrinkage of the state corrections towards plain copy, relative to the mean Gram "
+                             "diagonal (default: translators.states.STATE_RIDGE)")
     parser.add_argument("--recall", type=int, default=0, help="held-out recall items per condition (0: none)")
     parser.add_argument("--token-identity", choices=("ids", "codebook"), default=None,
                         help="append the target's embedding of each token to every map (shared tokenizer)")
@@ -264,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.recall < 0:
         parser.error(f"--recall must be >= 0, got {args.recall}")
     report = fit_report(args.source, args.target, n_fit=args.n_fit, n_val=args.n_val,
-                        distill_steps=args.distill_steps, distill_lr=args.distill_lr, recompute=args.recompute,
+                        ridge_state=args.ridge_state, distill_steps=args.distill_steps, distill_lr=args.distill_lr,
+                        recompute=args.recompute,
                         recall=args.recall, token_identity=args.token_identity)
     if args.json:
         sys.stdout.write(json.dumps(report) + "\n")

@@ -145,6 +145,10 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
         check_hybrid_config(config, source, target, same_tokenizer(source, target))
         nu, candidates = None, {}
     else:
+        if config.state_ridge != FitConfig.model_fields["state_ridge"].default:
+            raise ConfigError(f"state_ridge={config.state_ridge!r}: {config.source} and {config.target} cache no "
+                              f"recurrent states (state_ridge shrinks the state corrections of hybrid pairs); leave "
+                              f"it at its default, or use ridge for the K/V maps")
         nu = config.nu if config.nu is not None else default_nu(source.layout, target.layout)
         candidates = candidate_layers(source.layout, target.layout, config.assignment, nu)
     corpus = load_conversations(config.data, limit=config.n_train + config.n_val, seed=config.seed)

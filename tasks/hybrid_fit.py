@@ -25,7 +25,6 @@ from translators.states import linear_layers
 GQA_ONLY = ("assignment", "nu", "ridge", "head_wise", "weighting", "objective", "ce_weight",
             "workers", "gpu", "ray_address", "seeds")
 RIDGE_KV = 1e-4  # K/V and replay maps: ridge relative to the mean diagonal (`infra.hybrid_fit`'s measurements)
-RIDGE_STATE = 1e-3  # state corrections: shrinkage towards plain copy
 
 
 def check_hybrid_config(config: FitConfig, source, target, same_tokenizer: bool) -> None:
@@ -93,8 +92,8 @@ def fit_closed_forms(plan, stats: list, select: list) -> tuple[dict, dict[str, A
         translator.kv.load_state_dict(kv)
         if strategy == CORRECTED:
             metrics = read_metric(tgt.model, tgt.layout, prompts)
-            scores["state_fit"] = [asdict(f) for f in fit_states(translator, src_caps, tgt_caps, ridge=RIDGE_STATE,
-                                                                 metrics=metrics)]
+            fits = fit_states(translator, src_caps, tgt_caps, ridge=plan.config.state_ridge, metrics=metrics)
+            scores["state_fit"] = [asdict(f) for f in fits]
         if strategy == REPLAY:
             scores["replay_r2"] = [asdict(f) for f in fit_replay_maps(translator, tgt.model, src_caps, prompts,
                                                                       ridge=RIDGE_KV)]

@@ -91,6 +91,12 @@ def test_gqa_only_settings_are_refused_together(setup, kvlingo_home):
     assert "nu=2" in result.output and "head_wise=True" in result.output
 
 
+def test_state_ridge_is_refused_for_a_pair_without_states(setup, kvlingo_home):
+    result = fit(setup, setup["qwen"], setup["qwen"], "--state-ridge", "0.5", "--stage1-only")
+    assert result.exit_code == 2, result.output
+    assert "state_ridge=0.5" in result.output and "cache no recurrent states" in result.output
+
+
 def test_bench_multiturn_hands_off_between_hybrids_from_their_fits(setup, kvlingo_home):
     """A hybrid self-pair's closed form is exact, so every hand-off mode answers as re-prefill does; segment
     translates each span once, naive again."""
