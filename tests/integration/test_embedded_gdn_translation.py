@@ -15,7 +15,7 @@ PAIRS = [("kvlingo-tiny-l-gdn", "kvlingo-tiny-s-gdn"), ("kvlingo-tiny-s-gdn", "k
 @pytest.fixture(scope="module", params=PAIRS, ids=lambda pair: "->".join(pair))
 def report(request):
     source, target = request.param
-    return fit_report(source, target, n_fit=200, n_val=60, recompute=(1,))
+    return fit_report(source, target, n_fit=200, n_val=120, recompute=(1,))
 
 
 def test_copied_states_beat_zero_states_and_the_empty_prefix(report):
@@ -36,6 +36,15 @@ def test_correction_fits_the_target_states_better_than_plain_copy(report):
     for fit in report["state_fit_heldout"]:  # held-out relative error of each corrected layer's state and window
         assert fit["state_corrected"] < 0.5 * fit["state_copy"], fit
         assert fit["conv_corrected"] < 0.5 * fit["conv_copy"], fit
+
+
+def test_copy_plus_correction_beats_plain_copy_in_closed_form(report):
+    """At the default state ridge (1.0: the correction shrunk hard towards copy). Measured in session 21 with 300
+    validation conversations: 0.214 -> 0.181 l -> s and 0.184 -> 0.142 s -> l (paired gains 2.7-2.8 standard errors),
+    where the old ridge 1e-3 lost s -> l (0.197)."""
+    assert report["ridge_state"] == 1.0
+    kl = {key: row["mean"] for key, row in report["val_kl"].items()}
+    assert kl["copy_corrected"] < kl["copy"], kl
 
 
 def test_per_layer_selection_keeps_a_correction_exactly_where_it_lowered_the_selection_kl(report):
