@@ -667,7 +667,7 @@ def serve(
 def sweep(
     source: Annotated[str, typer.Argument(help="source model")],
     target: Annotated[str, typer.Argument(help="target model")],
-    centre_lr: Annotated[float, typer.Option(help="centre of the learning-rate window")] = 3e-3,
+    centre_lr: Annotated[float, typer.Option(help="centre of the learning-rate window")] = 1e-3,
     n_rates: Annotated[int, typer.Option(help="rates in the window, half a decade apart (odd)")] = 5,
     seeds: Annotated[str, typer.Option(help="comma-separated seeds; the first selects the rate")] = "0",
     steps: Annotated[int | None, typer.Option(help="stage-2 steps per cell")] = None,

@@ -123,7 +123,7 @@ def sweep_flow(
     pairs: list[tuple[str, str]],
     *,
     both_directions: bool = True,
-    centre_lr: float = 3e-3,  # kvlingo fit's default lr
+    centre_lr: float = 1e-3,  # kvlingo fit's default lr
     n_rates: int = 5,
     seeds: list[int] | None = None,
     base: dict[str, Any] | None = None,
