@@ -29,7 +29,7 @@ def fields_of(**changes):
 
 @pytest.mark.parametrize("change", [
     {"ridge": 0.1}, {"head_wise": True}, {"weighting": "attention"}, {"n_val": 30}, {"max_prefix_tokens": 256},
-    {"max_continuation_tokens": 32}, {"lr": 1e-3}, {"steps": 61}, {"seed": 1}, {"point": "post_norm"}, {"nu": 2},
+    {"max_continuation_tokens": 32}, {"lr": 3e-3}, {"steps": 61}, {"seed": 1}, {"point": "post_norm"}, {"nu": 2},
     {"assignment": "depth"}, {"data": "embedded:500"}, {"n_train": 100}, {"batch": 4}, {"objective": "ce"},
     {"state_ridge": 0.5},
 ])
