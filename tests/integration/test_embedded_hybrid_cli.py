@@ -41,7 +41,8 @@ def test_distilled_beats_the_closed_form_zero_states_and_both_controls(fits):
     gains = []
     for (source, target), (_, summary) in fits.items():
         kl = summary["val_kl"]
-        assert summary["hybrid"] and summary["closed_form_strategy"] in ("copy", "selected", "replay"), summary
+        # Any strategy the pair admits but the zero state (copy + correction won s -> l on session 21's build).
+        assert summary["hybrid"] and summary["closed_form_strategy"] in set(summary["strategies"]) - {"zero"}, summary
         assert kl["closed_form"] < 0.3 * kl["zero"], (source, kl)
         assert kl["distilled"] < 0.1 * min(kl["empty_prefix"], kl["random_map"]), (source, kl)
         # The returned checkpoint is the best on the selection conversations, the closed form (step 0) included.
