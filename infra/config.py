@@ -44,8 +44,10 @@ class FitConfig(BaseModel):
         None, description="append the target's embedding of each token's id to every map's input (hybrid paper "
         "§3.4): 'codebook' decodes ids from the source's layer-0 cache, 'ids' takes the prompt's ids; same "
         "tokenizer only")
-    # Measured on the embedded GDN pair (README, "State ridge"): 1.0 is the shrinkage at which copy + correction beats
-    # plain copy in both directions; the near-unshrunk fit (1e-3) loses in one.
+    # λ = state_ridge x each head's mean Gram diagonal: only the source state's dominant directions are corrected, the
+    # rest stay copied. Measured on the embedded GDN pair (README, "State ridge"): at 1.0 copy + correction beats plain
+    # copy in both directions; the near-unshrunk fit (1e-3) loses in one, because the corrections regress onto the
+    # target's own states, which it reads beside translated attention K/V that agree better with copied states.
     state_ridge: float = Field(1.0, gt=0.0, description="hybrid pairs: shrinkage of the copy_corrected state maps "
                                "towards plain copy, λ relative to the mean Gram diagonal")
     weighting: Literal["uniform", "attention"] = Field(

@@ -112,15 +112,16 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         COPY,
         CORRECTED,
         REPLAY,
-        STATE_RIDGE,
         ZERO,
         linear_layers,
         read_metric,
         same_state_geometry,
     )
 
-    if ridge_state is None:
-        ridge_state = STATE_RIDGE
+    from infra.config import FitConfig
+
+    if ridge_state is None:  # kvlingo fit's default, one value for both entry points
+        ridge_state = FitConfig.model_fields["state_ridge"].default
     if ridge_state <= 0:
         raise ConfigError(f"ridge_state must be > 0 (the shrinkage of the state corrections towards plain copy), "
                           f"got {ridge_state}")
@@ -273,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated k: the DroidSpeak baseline recomputing the target's first k layers")
     parser.add_argument("--ridge-state", type=float, default=None,
                         help="shrinkage of the state corrections towards plain copy, relative to the mean Gram "
-                             "diagonal (default: translators.states.STATE_RIDGE)")
+                             "diagonal (default: kvlingo fit's state_ridge)")
     parser.add_argument("--recall", type=int, default=0, help="held-out recall items per condition (0: none)")
     parser.add_argument("--token-identity", choices=("ids", "codebook"), default=None,
                         help="append the target's embedding of each token to every map (shared tokenizer)")

@@ -103,15 +103,6 @@ def check_strategies(strategies: Mapping[int, str], target: CacheLayout) -> None
 # --- Closed-form bilinear correction ------------------------------------------------------------------
 
 
-# Shrinkage of the state corrections towards plain copy: λ = STATE_RIDGE x the head's mean Gram diagonal, so only the
-# source state's dominant directions are corrected and the rest stay copied. Chosen by measurement (README, "State
-# ridge"): on the embedded GDN pair the near-unshrunk fit (1e-3) beat copy in one direction only, 1.0 in both
-# (validation KL 0.214 -> 0.181 and 0.184 -> 0.142, paired gains 2.7-2.8 standard errors over 300 conversations),
-# while 10 and more fall back towards copy. Why not less: the corrections regress onto the target's own states, which
-# it reads beside *translated* attention K/V that agree with the copied states better than with its own.
-STATE_RIDGE = 1.0
-
-
 def _ridge_towards_identity(gram: torch.Tensor, cross: torch.Tensor, ridge: float) -> torch.Tensor:
     """Per head, M minimising ||Z M - Y||² + λ ||M - I||², from gram = Z^T Z [h, p, p] and cross = Z^T Y
     [h, p, p]; λ = ridge x the head's mean gram diagonal. Returns [h, p, p] fp64."""
