@@ -1,6 +1,10 @@
 """`kvlingo fit` and `kvlingo bench multiturn` on the embedded GDN hybrids, both directions (issue #16): the fit
 chooses its closed form among the state strategies, stage 2 improves on it, and segment-wise hand-offs keep recall
-near re-prefill while each span is translated once."""
+near re-prefill while each span is translated once.
+
+The fits read token identity (`token_identity: ids`), the recipe the README gives for hybrid hand-offs: a GDN
+model caches per-token objects only in its attention layers, and the target's embedding of each id is what lifts
+segment-wise recall to within 0.1 of re-prefill (README, multi-turn hand-off between hybrids)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ runner = CliRunner()
 PAIR = ("kvlingo-tiny-l-gdn", "kvlingo-tiny-s-gdn")
 # A smaller run than `kvlingo fit`'s defaults (3200 / 600 / 400 steps; README), to keep the tier short.
 CONFIG = {"data": "embedded:760", "n_train": 700, "stats_samples": 300, "n_val": 60, "n_select": 40, "steps": 200,
-          "batch": 4, "eval_every": 40, "lr": 1e-3}
+          "batch": 4, "eval_every": 40, "lr": 1e-3, "token_identity": "ids"}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +43,10 @@ def test_distilled_beats_the_closed_form_zero_states_and_both_controls(fits):
     """Measured with the defaults (session 12): l -> s closed form (copy) 0.248, distilled 0.164, zero 1.420,
     empty prefix 3.646, random map 3.972."""
     gains = []
-    for (source, target), (_, summary) in fits.items():
+    for (source, target), (fit_dir, summary) in fits.items():
         kl = summary["val_kl"]
+        manifest = json.loads((fit_dir / "distilled" / "manifest.json").read_text())
+        assert manifest["token_identity"] == "ids", manifest.get("token_identity")
         # Any strategy the pair admits but the zero state (copy + correction won s -> l on session 21's build).
         assert summary["hybrid"] and summary["closed_form_strategy"] in set(summary["strategies"]) - {"zero"}, summary
         assert kl["closed_form"] < 0.3 * kl["zero"], (source, kl)
@@ -55,11 +61,13 @@ def test_distilled_beats_the_closed_form_zero_states_and_both_controls(fits):
 def test_segment_hand_offs_stay_near_re_prefill_and_translate_each_span_once(fits):
     (dir_ab, _), (dir_ba, _) = fits[PAIR], fits[PAIR[::-1]]
     result = runner.invoke(app, ["bench", "multiturn", *PAIR, "--fit-dir-ab", str(dir_ab), "--fit-dir-ba",
-                                 str(dir_ba), "--conversations", "6", "--turns", "8", "--json"])
+                                 str(dir_ba), "--conversations", "32", "--turns", "8", "--json"])
     assert result.exit_code == 0, result.output
     modes = json.loads(result.stdout)["modes"]
     assert modes["segment"]["max_times_a_span_was_translated"] == 1
     assert modes["naive"]["max_times_a_span_was_translated"] > 1
-    # Measured with the default fits (24 conversations): reprefill 0.844, segment 0.745, naive 0.214.
-    assert modes["segment"]["mean"] >= modes["reprefill"]["mean"] - 0.2, modes
+    # Measured with these fits (session 22): 32 conversations reprefill 0.883, segment 0.805, naive 0.359; 64
+    # conversations 0.875 / 0.783 / 0.352. Without token identity the gap was 0.12-0.13 (README). The bound leaves
+    # 0.04 over the 32-conversation gap for builds whose fp32 rounding differs (one answer is 1/256 of the mean).
+    assert modes["segment"]["mean"] >= modes["reprefill"]["mean"] - 0.12, modes
     assert modes["naive"]["mean"] < modes["segment"]["mean"] - 0.2, modes
