@@ -10,7 +10,8 @@
   cache that scores like this carries nothing.
 
 Source and target of a translated condition share one tokenizer (cross-tokenizer pairs are aligned elsewhere);
-every function here takes token ids, never text.
+every function here takes token ids, never text. A pair with a hybrid side (recurrent states, `kvlingo fit`'s
+hybrid artifacts) is translated by its `translators.hybrid.HybridTranslator` into the decoder's full hybrid cache.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from translators.capture import capture, check_length
+from translators.capture import capture, capture_hybrid, check_length
 from translators.continuation import cache_logits
 from translators.errors import ConfigError
 from translators.generation import GenerationSettings, decode_from
-from translators.inject import decode_step, write_cache
+from translators.hybrid import HybridTranslator, check_hybrid_translator_fits
+from translators.inject import decode_step, write_cache, write_hybrid_cache
+from translators.layout import is_hybrid
 from translators.stage1 import Side
 from translators.switch import check_translator_fits
 from translators.translator import Translator
@@ -52,8 +55,9 @@ class Condition:
         decoder: the model that produces the logits (the target, or the source for `source_native`).
             `empty_prefix` decoders read only the context's last token.
         source: the model whose cache is translated (`translated` only).
-        translator: maps source captures to decoder keys/values; None with `translated` means identity
-            (source and decoder must then have equal cache layouts, i.e. be the same model).
+        translator: maps source captures to decoder keys/values (a `HybridTranslator` when either side is a
+            hybrid); None with `translated` means identity (source and decoder must then have equal cache
+            layouts, i.e. be the same model, and not a hybrid).
     Raises:
         ConfigError: unknown name, a native condition given a source or translator, a translated condition
             without a source, or a translator/identity that does not fit the two layouts.
@@ -62,7 +66,7 @@ class Condition:
     name: str
     decoder: Side
     source: Side | None = None
-    translator: Translator | None = None
+    translator: Translator | HybridTranslator | None = None
 
     def __post_init__(self) -> None:
         if self.name not in CONDITIONS:
@@ -77,6 +81,10 @@ class Condition:
             raise ConfigError(
                 "condition 'translated' needs the source side whose cache is translated (source=Side(...))"
             )
+        hybrid_pair = is_hybrid(self.source.layout) or is_hybrid(self.decoder.layout)
+        if hybrid_pair or isinstance(self.translator, HybridTranslator):
+            _check_hybrid_translator(self.translator, self.source.layout, self.decoder.layout)
+            return
         # The identity (no translator) is only valid between copies of one model; a translator must fit both.
         check_translator_fits(self.translator, self.source.layout, self.decoder.layout)
 
@@ -92,6 +100,20 @@ class Condition:
         if self.source is not None:
             limits.append(self.source.layout.max_positions)
         return min(limits)
+
+
+def _check_hybrid_translator(translator, source, target) -> None:
+    """A translated condition with a hybrid side needs a `HybridTranslator` built for these two layouts.
+
+    Raises:
+        ConfigError: no translator (there is no identity between hybrid caches: `kvlingo doctor MODEL` checks
+            the round trip), a per-token translator, or one built for other layouts.
+    """
+    if not isinstance(translator, HybridTranslator):
+        given = "no translator (identity)" if translator is None else f"a {type(translator).__name__}"
+        raise ConfigError(f"a pair with a hybrid side is translated by a hybrid translator (a `kvlingo fit` artifact "
+                          f"of the pair), got {given}; `kvlingo doctor MODEL` checks one model's own round trip")
+    check_hybrid_translator_fits(translator, source, target)
 
 
 def target_native(target: Side) -> Condition:
@@ -125,6 +147,19 @@ def _as_ids(ids: torch.Tensor | list[int], what: str) -> torch.Tensor:
     if t.dim() != 1:
         raise ConfigError(f"{what} must be a 1-D list of token ids, got shape {list(t.shape)}")
     return t
+
+
+def _translated_cache(condition: Condition, cached_ids: torch.Tensor):
+    """The decoder's cache holding the translation of the source's cache of `cached_ids` [n-1]: per-token
+    objects (GQA, MLA), or with a hybrid translator every attention layer's objects and every linear layer's
+    conv window and recurrent state."""
+    decoder, source = condition.decoder, condition.source
+    if isinstance(condition.translator, HybridTranslator):
+        held = capture_hybrid(source.model, source.layout, cached_ids, condition.point)
+        tokens, states = condition.translator(held, decoder.model)
+        return write_hybrid_cache(decoder.model, decoder.layout, tokens, states, point=condition.point)
+    return write_cache(decoder.model, decoder.layout, _translated_objects(condition, cached_ids),
+                       point=condition.point)
 
 
 def _translated_objects(condition: Condition, cached_ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
@@ -165,10 +200,7 @@ def continuation_logits(
         if condition.name in UNTRANSLATED or context.numel() == 1:
             ids = torch.cat([context, continuation[:-1]]).view(1, -1).to(condition.decoder.model.device)
             return condition.decoder.model(input_ids=ids, use_cache=False, logits_to_keep=m).logits[0]
-        decoder = condition.decoder
-        cache = write_cache(decoder.model, decoder.layout, _translated_objects(condition, context[:-1]),
-                            point=condition.point)
-        return cache_logits(decoder.model, cache, context, continuation)
+        return cache_logits(condition.decoder.model, _translated_cache(condition, context[:-1]), context, continuation)
 
 
 def continuation_logprobs(
@@ -234,6 +266,5 @@ def _first_step(condition: Condition, context: torch.Tensor) -> tuple[DynamicCac
         # A one-token context has no cache to translate: the decoder reads it natively.
         cache = DynamicCache(config=model.config)
         return cache, decode_step(model, cache, context, logits_to_keep=1)[-1]
-    cache = write_cache(model, condition.decoder.layout, _translated_objects(condition, context[:-1]),
-                        point=condition.point)
+    cache = _translated_cache(condition, context[:-1])
     return cache, decode_step(model, cache, context[-1:], logits_to_keep=1)[-1]

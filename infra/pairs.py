@@ -64,3 +64,20 @@ def load_for_pair(path: str | Path, source: LoadedModel, target: LoadedModel) ->
     check_translator_fits(translator, source.layout, target.layout)
     translator.to(target.model.device)
     return attach_token_identity(translator, source.model, source.layout, target.model)
+
+
+def load_hybrid_for_pair(path: str | Path, source: LoadedModel, target: LoadedModel):
+    """Load a hybrid translator artifact (`kvlingo fit` of a pair with a hybrid side) for this loaded pair, with
+    its token-identity module attached; refuses one fitted for other models.
+
+    Returns:
+        a `translators.hybrid.HybridTranslator`.
+    Raises:
+        ArtifactError, PairMismatchError: see `translators.hybrid_artifact.load_hybrid_translator`.
+    """
+    from translators.hybrid import attach_token_identity
+    from translators.hybrid_artifact import load_hybrid_translator
+
+    translator, _ = load_hybrid_translator(path, source.layout, target.layout, target.model,
+                                           source=model_signature(source), target=model_signature(target))
+    return attach_token_identity(translator, source.model, source.layout, target.model)

@@ -92,14 +92,25 @@ def load_translator_ref(ref: TranslatorRef, source_loaded: Any, target_loaded: A
     Args:
         source_loaded, target_loaded: `infra.zoo.LoadedModel` of the pair.
     Returns:
-        A `translators.translator.Translator`, or None for the identity.
+        A `translators.translator.Translator`, None for the identity, or for a pair with a hybrid side (recurrent
+        states) a `translators.hybrid.HybridTranslator`.
     Raises:
         PairMismatchError: an artifact fitted for other models (the differing field is named), shapes that do not
             fit, or the identity between models whose caches differ.
         ArtifactError: a tampered or corrupt artifact. RegistryError: a URI that names nothing in the store.
+        ConfigError: an identity or registry reference for a hybrid pair (its translators are read from their
+            fit directory).
     """
+    from translators.layout import is_hybrid
     from translators.switch import check_translator_fits
 
+    if is_hybrid(source_loaded.layout) or is_hybrid(target_loaded.layout):
+        from infra.pairs import load_hybrid_for_pair
+
+        if ref.kind != "path":
+            raise ConfigError(f"{ref.text}: hybrid translators are read from an artifact directory (a `kvlingo fit` "
+                              f"run's closed_form/ or distilled/); pass its path or the fit directory")
+        return load_hybrid_for_pair(ref.path, source_loaded, target_loaded)
     if ref.kind == "identity":
         check_translator_fits(None, source_loaded.layout, target_loaded.layout)
         return None

@@ -128,12 +128,15 @@ def build_conditions(config: EvalConfig, source, target) -> dict[str, Any]:
     models tokenize differently, evals.cross_conditions.CrossCondition (each model renders items itself)."""
     from evals.conditions import empty_prefix, source_native, target_native, translated
     from evals.cross_conditions import cross_conditions
-    from infra.pairs import load_for_pair, same_tokenizer
+    from infra.pairs import load_for_pair, load_hybrid_for_pair, same_tokenizer
     from registry.translator_ref import load_translator_ref, parse_translator_ref
+    from translators.layout import is_hybrid
     from translators.stage1 import Side
 
     fit_dir = Path(config.fit_dir) if config.fit_dir else _latest_fit_or_pair_dir(source.name, target.name)
-    translators = {stage: load_for_pair(fit_dir / stage, source, target) for stage in ("closed_form", "distilled")
+    # A pair with a hybrid side has hybrid artifacts (recurrent-state strategies beside the per-token maps).
+    load = load_hybrid_for_pair if is_hybrid(source.layout) or is_hybrid(target.layout) else load_for_pair
+    translators = {stage: load(fit_dir / stage, source, target) for stage in ("closed_form", "distilled")
                    if (fit_dir / stage / "manifest.json").is_file()}
     for ref in map(parse_translator_ref, config.translators):  # PATH | models:/NAME@ALIAS | identity
         translators[ref.label] = load_translator_ref(ref, source, target)

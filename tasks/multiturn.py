@@ -84,10 +84,7 @@ def run_multiturn(
         if ref is None:
             refs[(src, tgt)] = _fit_ref(fit_dirs[(src, tgt)], stage, loaded[src].name, loaded[tgt].name)
     hybrid = is_hybrid(a.layout) or is_hybrid(b.layout)
-    if hybrid:
-        translators = {(src, tgt): _hybrid_translator(ref, loaded[src], loaded[tgt]) for (src, tgt), ref in refs.items()}
-    else:
-        translators = {(src, tgt): load_translator_ref(ref, loaded[src], loaded[tgt]) for (src, tgt), ref in refs.items()}
+    translators = {(src, tgt): load_translator_ref(ref, loaded[src], loaded[tgt]) for (src, tgt), ref in refs.items()}
     sides = {"A": Side(a.model, a.layout), "B": Side(b.model, b.layout)}
     if cross and hybrid:
         raise ConfigError(f"{a.name} and {b.name} tokenize differently: hybrid hand-offs need one tokenizer")
@@ -173,25 +170,6 @@ class _CrossDialogue:
         """The holder's answer text to `question`."""
         conv.append([{"role": "user", "content": question}])
         return conv.generate(self.settings[conv.holder]).text or ""
-
-
-def _hybrid_translator(ref, source, target):
-    """A hybrid translator artifact (`kvlingo fit` of a pair with a hybrid side) at a path reference.
-
-    Raises:
-        ConfigError: an identity or registry reference (hybrid translators are read from their fit directory).
-        ArtifactError, PairMismatchError: see `translators.hybrid_artifact.load_hybrid_translator`.
-    """
-    from infra.zoo import model_signature
-    from translators.hybrid import attach_token_identity
-    from translators.hybrid_artifact import load_hybrid_translator
-
-    if ref.kind != "path":
-        raise ConfigError(f"{ref.text}: hybrid translators are read from an artifact directory (a `kvlingo fit` "
-                          f"run's closed_form/ or distilled/); pass its path or the fit directory")
-    translator, _ = load_hybrid_translator(ref.path, source.layout, target.layout, target.model,
-                                           source=model_signature(source), target=model_signature(target))
-    return attach_token_identity(translator, source.model, source.layout, target.model)
 
 
 def _given_ref(text: str | None, fit_dir: Path | None, direction: str):

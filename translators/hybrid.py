@@ -24,7 +24,7 @@ from translators.capture import HybridCapture, capture_hybrid
 from translators.continuation import cache_logits, kl_per_position, no_prefix_logits, teacher_logits
 from translators.errors import ConfigError
 from translators.inject import write_hybrid_cache
-from translators.layout import LINEAR, CacheLayout
+from translators.layout import LINEAR, CacheLayout, ConvWindow, RecurrentState
 from translators.partial_recompute import recomputed_objects
 from translators.solve import ridge_solve
 from translators.stage1 import ValidationKL
@@ -243,6 +243,38 @@ def fit_kv_maps(translator: HybridTranslator, source: Sequence[HybridCapture], t
             r2[name] = _r2(torch.cat(x[scored]) @ weights, torch.cat(y[scored]))
         fits.append(KVFit(layer=t, source_layer=s, r2=r2))
     return fits
+
+
+def check_hybrid_translator_fits(translator: HybridTranslator, source: CacheLayout, target: CacheLayout) -> None:
+    """Refuse a translator built for other layouts than (source, target): the attention assignment, every K/V
+    map's shape, the linear layers and their state shapes are rebuilt from the two layouts and compared.
+
+    Raises:
+        ConfigError: naming each difference.
+    """
+    problems = []
+    try:
+        assignment = assign_attention_layers(source, target)
+    except ConfigError as err:
+        raise ConfigError(f"the hybrid translator does not fit this pair: {err}") from None
+    if translator.attention_assignment != assignment:
+        problems.append(f"attention layers {translator.attention_assignment} where this pair assigns {assignment}")
+    expected = {}
+    for t, s in assignment.items():
+        have, want = _object_widths(source, s), _object_widths(target, t)
+        for name, reads in layer_map_inputs(source, s, target, t).items():
+            expected[f"{name}_{t}"] = (want[name], sum(have[r] for r in reads) + translator.token_width)
+    shapes = {name: tuple(weight.shape) for name, weight in translator.kv.items()}
+    if shapes != expected:
+        differ = sorted(k for k in shapes.keys() | expected.keys() if shapes.get(k) != expected.get(k))
+        problems.append(f"K/V maps {', '.join(f'{k} {shapes.get(k)} (here {expected.get(k)})' for k in differ)}")
+    linear = {layer.index: (layer.object_of(RecurrentState).shape, layer.object_of(ConvWindow).shape)
+              for layer in target.layers if layer.attention == LINEAR}
+    if translator.states.shapes != linear:
+        problems.append(f"linear layers and state shapes {translator.states.shapes} (here {linear})")
+    if problems:
+        raise ConfigError("the hybrid translator was built for other layouts than this pair's: " + "; ".join(problems)
+                          + ". Load it with the pair it was fitted for")
 
 
 def make_translator(source: CacheLayout, target: CacheLayout, target_model: nn.Module, strategies: dict[int, str],

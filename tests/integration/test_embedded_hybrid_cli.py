@@ -71,3 +71,17 @@ def test_segment_hand_offs_stay_near_re_prefill_and_translate_each_span_once(fit
     # 0.04 over the 32-conversation gap for builds whose fp32 rounding differs (one answer is 1/256 of the mean).
     assert modes["segment"]["mean"] >= modes["reprefill"]["mean"] - 0.12, modes
     assert modes["naive"]["mean"] < modes["segment"]["mean"] - 0.2, modes
+
+
+def test_kvlingo_eval_recalls_through_the_hybrid_translators(fits):
+    """`kvlingo eval` on each fit (60 held-out recall items): the translated caches carry the facts the empty
+    prefix cannot, near the target's own prefill."""
+    for (source, target), (fit_dir, _) in fits.items():
+        result = runner.invoke(app, ["eval", source, target, "--fit-dir", str(fit_dir), "--benchmark", "recall",
+                                     "--limit", "60", "--json"])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        recall = {row["condition"]: row["score"] for row in report["rows"]}
+        assert report["errors"] == [] and {row["n"] for row in report["rows"]} == {60}, report
+        assert recall["distilled"] > recall["empty_prefix"] + 0.5, (source, recall)
+        assert recall["distilled"] >= recall["target_native"] - 0.3, (source, recall)

@@ -119,6 +119,31 @@ def test_bench_multiturn_hands_off_between_hybrids_from_their_fits(setup, kvling
     assert result.exit_code == 2 and "hybrid translators are read from an artifact directory" in result.output
 
 
+def test_kvlingo_eval_scores_a_hybrid_fit_like_the_native_prefill(setup, kvlingo_home):
+    """A hybrid self-pair's closed form is exact: on every metric `kvlingo eval` scores it as the target's own
+    prefill; an identity reference is refused for a hybrid pair."""
+    out = setup["root"] / "eval"
+    assert fit(setup, setup["gdn"], setup["gdn"], "--output-dir", str(out), "--stage1-only").exit_code == 0
+    result = runner.invoke(app, ["eval", setup["gdn"], setup["gdn"], "--fit-dir", str(out), "--limit", "3",
+                                 "--benchmark", "corpus_kl", "--benchmark", "recall", "--benchmark", "ruler_noise",
+                                 "--ruler-lengths", "24,40", "--benchmark", "switch_quality", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["errors"] == [] and "closed_form" in report["conditions"]
+    rows = {(r["benchmark"], r["condition"]): r for r in report["rows"]}
+    benchmarks = {b for b, _ in rows}
+    assert benchmarks == {"corpus_kl", "recall", "ruler_noise_24", "ruler_noise_40", "switch_quality"}
+    for bench in benchmarks:
+        native, translated = rows[(bench, "target_native")], rows[(bench, "closed_form")]
+        assert translated["n"] == native["n"] > 0
+        assert translated["score"] == pytest.approx(native["score"], abs=1e-4), bench
+    assert rows[("corpus_kl", "closed_form")]["score"] <= 1e-4 < rows[("corpus_kl", "empty_prefix")]["score"]
+    assert rows[("switch_quality", "closed_form")]["score"] == 1.0
+    result = runner.invoke(app, ["eval", setup["gdn"], setup["gdn"], "--translator", "identity",
+                                 "--fit-dir", str(out), "--benchmark", "recall", "--json"])
+    assert result.exit_code == 2 and "hybrid translators are read from an artifact directory" in result.output
+
+
 def test_mla_into_a_kda_hybrid_with_token_identity_round_trips_through_its_artifact(setup, kvlingo_home):
     """MLA → Kimi-Linear: latent maps for the NoPE MLA layer, replay for the KDA layers, the source's codebook
     appending the target's embedding of every token; the loaded artifact (module re-attached) scores the same."""
