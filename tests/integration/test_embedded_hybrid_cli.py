@@ -1,6 +1,6 @@
-"""`kvlingo fit` and `kvlingo bench multiturn` on the embedded GDN hybrids, both directions (issue #16): the fit
-chooses its closed form among the state strategies, stage 2 improves on it, and segment-wise hand-offs keep recall
-near re-prefill while each span is translated once.
+"""`kvlingo fit`, `kvlingo bench multiturn` and `kvlingo eval` on the embedded GDN hybrids, both directions (issue
+#16): the fit chooses its closed form among the state strategies, stage 2 improves on it, segment-wise hand-offs
+keep recall near re-prefill while each span is translated once, and the evaluation reads the fits' artifacts.
 
 The fits read token identity (`token_identity: ids`), the recipe the README gives for hybrid hand-offs: a GDN
 model caches per-token objects only in its attention layers, and the target's embedding of each id is what lifts
@@ -75,7 +75,9 @@ def test_segment_hand_offs_stay_near_re_prefill_and_translate_each_span_once(fit
 
 def test_kvlingo_eval_recalls_through_the_hybrid_translators(fits):
     """`kvlingo eval` on each fit (60 held-out recall items): the translated caches carry the facts the empty
-    prefix cannot, near the target's own prefill."""
+    prefix cannot, near the target's own prefill. Measured with these fits (session 23): l -> s target 0.967,
+    closed form 0.833, distilled 0.833, empty prefix 0.0; s -> l target 1.0, closed form 0.833, distilled 0.867,
+    empty 0.0 (the default-recipe fits: 0.867 and 0.900, README)."""
     for (source, target), (fit_dir, _) in fits.items():
         result = runner.invoke(app, ["eval", source, target, "--fit-dir", str(fit_dir), "--benchmark", "recall",
                                      "--limit", "60", "--json"])
