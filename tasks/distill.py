@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from translators.distill import Objective
+from translators.stage1 import ReferenceMemo
 from translators.train import Sample, TrainSettings, Trainer
 from translators.translator import Translator
 
@@ -34,9 +35,12 @@ def run_single(
     run_signature: dict[str, Any],
     checkpoint_dir: Path | None,
     report: Callable[[dict[str, Any]], None] | None = None,
+    memo: ReferenceMemo | None = None,
 ) -> tuple[Translator, list[dict[str, Any]]]:
-    """Train in this process. `source`/`target` are `translators.stage1.Side`s."""
-    trainer = Trainer(translator, source, target, train, val, settings, run_signature, checkpoint_dir, report=report)
+    """Train in this process. `source`/`target` are `translators.stage1.Side`s; `memo` keeps the validation
+    conversations' references for the caller's later scores (the trainer's own otherwise)."""
+    trainer = Trainer(translator, source, target, train, val, settings, run_signature, checkpoint_dir, report=report,
+                      memo=memo)
     return translator, trainer.run()
 
 

@@ -29,6 +29,7 @@ from infra.settings import kvlingo_home
 from translators.errors import ConfigError
 from translators.layout import is_hybrid
 from translators.objects import object_names
+from translators.stage1 import ReferenceMemo
 
 
 def preflight(config: FitConfig) -> None:
@@ -81,6 +82,9 @@ class FitPlan:
     started: float = field(default_factory=time.perf_counter)
     token_identity: Any = None  # translators.token_identity.TokenIdentity when config.token_identity is set
     hybrid: bool = False  # a side has linear-attention layers: fitted by `tasks.hybrid_fit`
+    # The target's logits and the source's captures of the validation conversations, kept from the closed form's
+    # scores through stage 2's and the distilled translator's (they do not depend on the translator).
+    val_memo: ReferenceMemo = field(default_factory=ReferenceMemo)
 
     @property
     def fingerprint(self) -> str:
@@ -431,13 +435,14 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
     translator.token_module = plan.token_identity
     r2 = heldout_r2(val_stats, translator)
     pairs = plan.val_pairs
+    memo = plan.val_memo
     kl = {
-        "closed_form": validation_kl(src, tgt, pairs, translator),
-        "empty_prefix": validation_kl(src, tgt, pairs, None, condition="empty_prefix"),
-        "random_map": validation_kl(src, tgt, pairs, random_like(translator, seed=config.seed)),
+        "closed_form": validation_kl(src, tgt, pairs, translator, memo=memo),
+        "empty_prefix": validation_kl(src, tgt, pairs, None, condition="empty_prefix", memo=memo),
+        "random_map": validation_kl(src, tgt, pairs, random_like(translator, seed=config.seed), memo=memo),
     }
     if plan.cross_tokenizer:  # the target's own boilerplate alone (BOS, headers): what translated content adds to
-        kl["boilerplate_only"] = validation_kl(src, tgt, pairs, None, condition="boilerplate_only")
+        kl["boilerplate_only"] = validation_kl(src, tgt, pairs, None, condition="boilerplate_only", memo=memo)
     # How faithfully the target reads this translator's cache, per prefix length, with a calibrated floor: what the
     # serving gate reads before loading (translators/quality.py); in the manifest and the summary.
     quality = record_quality(src, tgt, pairs, translator)
@@ -502,13 +507,14 @@ def distill(
     fields = plan.stage2_fields(config)
     n_select = selection_size(config)
     train = plan.train[:len(plan.train) - n_select]
-    distilled, history = _stage2(config, closed_form, src, tgt, train, plan.val_pairs, fields, out)
+    distilled, history = _stage2(config, closed_form, src, tgt, train, plan.val_pairs, fields, out, plan.val_memo)
     selection = {}
     if n_select:
         select = model_inputs(plan.train[len(plan.train) - n_select:])
+        select_memo = ReferenceMemo()  # the selection conversations are scored once per checkpoint
         distilled, selection = best_checkpoint(distilled, closed_form, out / "checkpoints",
-                                               lambda t: validation_kl(src, tgt, select, t).mean)
-    final = validation_kl(src, tgt, plan.val_pairs, distilled)
+                                               lambda t: validation_kl(src, tgt, select, t, memo=select_memo).mean)
+    final = validation_kl(src, tgt, plan.val_pairs, distilled, memo=plan.val_memo)
     quality = record_quality(src, tgt, plan.val_pairs, distilled)
     summary = {**summary}
     summary["quality"] = {**summary.get("quality", {}), "distilled": quality}
@@ -626,8 +632,10 @@ def distill_seeds(plan: FitPlan, closed_form, summary: dict[str, Any]) -> dict[s
     return merged
 
 
-def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, run_signature: dict[str, Any], out: Path):
-    """Distil from a copy of the closed-form maps (which stay saved as the stage-1 baseline)."""
+def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, run_signature: dict[str, Any], out: Path,
+            val_memo: ReferenceMemo):
+    """Distil from a copy of the closed-form maps (which stay saved as the stage-1 baseline). `val_memo` serves
+    the in-process run's validations (Ray Train's rank 0 keeps its own)."""
     import copy
 
     from tasks.distill import run_ray, run_single
@@ -655,6 +663,6 @@ def _stage2(config: FitConfig, closed_form, src, tgt, train, val_pairs, run_sign
         with progress_bars() as progress:
             task = progress.add_task("stage 2: distillation", total=config.steps)
             return run_single(translator, src, tgt, train_pairs, val_pairs, settings, run_signature, checkpoints,
-                              report=lambda record: progress.update(task, completed=record["step"]))
+                              report=lambda record: progress.update(task, completed=record["step"]), memo=val_memo)
     return run_ray(translator, config.source, config.target, train_pairs, val_pairs, settings, run_signature,
                    checkpoints, workers=config.workers, use_gpu=config.gpu, ray_address=config.ray_address)

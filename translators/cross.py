@@ -31,7 +31,7 @@ from translators.generation import Decoded, GenerationSettings, decode_from
 from translators.gram import GramStats
 from translators.layout import CacheLayout, decoder_of
 from translators.objects import CacheObject, cache_objects, engine_tensor, fill_cache_layer, object_inputs, same_kinds
-from translators.stage1 import Side, ValidationKL, accumulate_pair, validation_kl
+from translators.stage1 import ReferenceMemo, Side, ValidationKL, accumulate_pair, validation_kl
 from translators.translator import Translator, source_features
 
 PREFILL = "prefill"
@@ -279,13 +279,14 @@ CONTROL_CONDITIONS = ("translated", "boilerplate_only", "empty_prefix")
 
 def cross_validation_kl(
     source: Side, target: Side, samples: Sequence[CrossSample], translator: Translator | None,
-    *, condition: str = "translated",
+    *, condition: str = "translated", memo: ReferenceMemo | None = None,
 ) -> ValidationKL:
     """KL(target native ‖ condition) per continuation token over cross-tokenizer samples.
 
     condition: "translated" (mixed cache with the translator's content), "boilerplate_only" (the mixed cache with
     no content at all: what the target's own boilerplate alone gives) or "empty_prefix" (no cache: the target
-    reads only its last prefix token, the same control as for same-tokenizer pairs).
+    reads only its last prefix token, the same control as for same-tokenizer pairs). memo: as for
+    `translators.stage1.validation_kl`.
 
     Raises:
         ConfigError: empty set, unknown condition, or "translated" without a translator.
@@ -299,17 +300,20 @@ def cross_validation_kl(
     if condition == "translated" and translator is None:
         raise ConfigError("the translated condition needs a translator")
     model = target.model
+    memo = ReferenceMemo(budget_bytes=0) if memo is None else memo
     means, firsts = [], []
     with torch.no_grad():
         for sample in samples:
-            teacher = logits_from_hidden(model, teacher_hidden_cross(model, sample))
+            teacher = memo.get("teacher", sample, lambda: logits_from_hidden(model, teacher_hidden_cross(model, sample)))
             if condition == "empty_prefix":
                 ids = torch.cat([sample.target_ids[-1:], sample.continuation_ids[:-1]]).view(1, -1).to(model.device)
                 student = logits_from_hidden(model, decoder_of(model)(input_ids=ids, use_cache=False).last_hidden_state[0])
             else:
                 tensors = None
                 if condition == "translated":
-                    tensors = translated_tensors(translator, source_capture(source, sample, translator.point), sample)
+                    cap = memo.get(f"capture:{translator.point}", sample,
+                                   lambda: source_capture(source, sample, translator.point))
+                    tensors = translated_tensors(translator, cap, sample)
                 point = translator.point if translator is not None else "pre_norm"
                 student = logits_from_hidden(model, student_hidden_cross(model, target.layout, sample, tensors, point))
             kl = kl_per_position(teacher, student)
@@ -335,11 +339,12 @@ def alignment_summary(samples: Sequence[CrossSample]) -> dict[str, Any]:
 
 def validation_kl_for(
     source: Side, target: Side, samples: Sequence, translator: Translator | None, *, condition: str = "translated",
+    memo: ReferenceMemo | None = None,
 ) -> ValidationKL:
     """Validation KL of same-tokenizer (prefix, continuation) pairs or of cross-tokenizer samples, by their type."""
     if samples and isinstance(samples[0], CrossSample):
-        return cross_validation_kl(source, target, samples, translator, condition=condition)
-    return validation_kl(source, target, samples, translator, condition=condition)
+        return cross_validation_kl(source, target, samples, translator, condition=condition, memo=memo)
+    return validation_kl(source, target, samples, translator, condition=condition, memo=memo)
 
 
 def accumulate_samples(

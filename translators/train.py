@@ -12,6 +12,7 @@ run's config and pair signatures; resuming under another signature is refused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -31,7 +32,7 @@ from translators.capture import Capture, capture
 from translators.cross import CrossSample, cross_sample_loss, teacher_hidden_cross, validation_kl_for
 from translators.distill import Objective, sample_loss, teacher_hidden
 from translators.errors import ConfigError, NonFiniteError, PairMismatchError
-from translators.stage1 import Side
+from translators.stage1 import ReferenceMemo, Side
 from translators.translator import Translator
 
 # Memory for the source captures one trainer keeps across epochs (see Trainer._source_capture): 600 embedded
@@ -76,10 +77,16 @@ def step_indices(step: int, batch: int, n_samples: int, seed: int) -> list[int]:
     out = []
     for position in range(step * batch, (step + 1) * batch):
         epoch, offset = divmod(position, n_samples)
-        order = list(range(n_samples))
-        random.Random(f"{seed}:{epoch}").shuffle(order)
-        out.append(order[offset])
+        out.append(epoch_order(seed, epoch, n_samples)[offset])
     return out
+
+
+@functools.lru_cache(maxsize=4)  # a step reads one epoch's order, two at an epoch boundary
+def epoch_order(seed: int, epoch: int, n_samples: int) -> tuple[int, ...]:
+    """The seeded permutation of `range(n_samples)` for `epoch`: shuffled once, not once per position read."""
+    order = list(range(n_samples))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return tuple(order)
 
 
 def worker_share(indices: Sequence[int], rank: int, world: int) -> list[int]:
@@ -124,6 +131,7 @@ class Trainer:
     reduce: Callable[[torch.Tensor], None] | None = None  # in-place sum across workers (None: single process)
     report: Callable[[dict[str, Any]], None] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    memo: ReferenceMemo | None = None  # the validation references (see ReferenceMemo); None: one of its own
 
     def __post_init__(self):
         if not self.train:
@@ -139,6 +147,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: cosine_with_warmup(s, self.settings.steps, self.settings.warmup_frac)
         )
+        if self.memo is None:
+            self.memo = ReferenceMemo()
         self._teachers: dict[int, torch.Tensor] = {}
         self._captures: dict[int, Capture] = {}  # sample index → the source's capture (see _source_capture)
         self._captured_bytes = 0
@@ -229,7 +239,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
-        result = validation_kl_for(self.source, self.target, self.val, self.translator)
+        result = validation_kl_for(self.source, self.target, self.val, self.translator, memo=self.memo)
         return {"val_kl": result.mean, "val_kl_se": result.se, "val_first_token_kl": result.first_token}
 
     def run(self, *, stop_after: int | None = None) -> list[dict[str, Any]]:

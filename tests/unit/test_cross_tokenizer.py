@@ -36,6 +36,7 @@ from translators.distill import Objective, logits_from_hidden
 from translators.errors import ConfigError
 from translators.layout import cache_layout
 from translators.stage1 import (
+    ReferenceMemo,
     Side,
     assign_layers,
     candidate_layers,
@@ -340,6 +341,24 @@ def test_cross_sample_loss_reaches_every_map(samples_ab, llama_a, gemma_b, close
     # The loss is the mean KL that validation reports for this one sample.
     kl = cross_validation_kl(llama_a, gemma_b, [sample], translator)
     assert loss.item() == pytest.approx(kl.mean, rel=1e-4, abs=1e-6)
+
+
+def test_cross_reference_memo_scores_bit_identically(samples_ab, llama_a, gemma_b, closed_form_ab, monkeypatch):
+    import translators.cross as cross
+
+    translator = closed_form_ab()
+    fresh = cross_validation_kl(llama_a, gemma_b, samples_ab, translator)
+    boilerplate = cross_validation_kl(llama_a, gemma_b, samples_ab, None, condition="boilerplate_only")
+    calls = []
+    for name in ("source_capture", "teacher_hidden_cross"):
+        real = getattr(cross, name)
+        monkeypatch.setattr(cross, name, lambda *args, real=real, name=name: (calls.append(name), real(*args))[1])
+    memo = ReferenceMemo()
+    for _ in range(2):
+        assert cross_validation_kl(llama_a, gemma_b, samples_ab, translator, memo=memo) == fresh
+    assert cross_validation_kl(llama_a, gemma_b, samples_ab, None, condition="boilerplate_only", memo=memo) == boilerplate
+    assert calls.count("teacher_hidden_cross") == len(samples_ab)
+    assert calls.count("source_capture") == len(samples_ab)
 
 
 def test_trainer_lowers_the_cross_kl_from_the_closed_form_start(samples_ab, llama_a, gemma_b, closed_form_ab):

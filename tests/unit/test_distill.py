@@ -1,6 +1,8 @@
 """Stage 2 on tiny random-init models: the chunked loss against an unchunked reference, training invariants,
 checkpoint/resume, and clear errors."""
 
+import random
+
 import pytest
 import torch
 from tiny_configs import FAMILIES, noisy_identity, tiny_model
@@ -145,6 +147,15 @@ def test_data_order_and_schedule():
     # Every conversation once per epoch; the order is a function of (seed, step) only.
     assert sorted(step_indices(0, 4, 8, 0) + step_indices(1, 4, 8, 0)) == list(range(8))
     assert step_indices(3, 4, 8, 1) == step_indices(3, 4, 8, 1)
+    # Pinned (checkpoints resume on it): epoch e is random.Random(f"{seed}:{e}")'s shuffle of range(n), read in order,
+    # across epoch boundaries too (step 1 of batch 5 over 8 reads offsets 5-7 of epoch 0, then 0-1 of epoch 1).
+    epochs = []
+    for epoch in range(3):
+        order = list(range(8))
+        random.Random(f"1:{epoch}").shuffle(order)
+        epochs.append(order)
+    assert step_indices(4, 4, 8, 1) + step_indices(5, 4, 8, 1) == epochs[2]
+    assert step_indices(1, 5, 8, 1) == epochs[0][5:] + epochs[1][:2]
     shares = worker_share(step_indices(2, 8, 20, 0), 0, 2) + worker_share(step_indices(2, 8, 20, 0), 1, 2)
     assert shares == step_indices(2, 8, 20, 0)
     lrs = [cosine_with_warmup(s, 100, 0.05) for s in range(100)]

@@ -8,6 +8,7 @@ from translators.errors import ConfigError, NonFiniteError
 from translators.layout import cache_layout
 from translators.assignment import relative_depth
 from translators.stage1 import (
+    ReferenceMemo,
     Side,
     accumulate_pair,
     assign_layers,
@@ -51,6 +52,46 @@ def test_self_translation_recovers_identity_and_native_predictions(qwen, method)
     # Controls on the same items are far worse.
     assert validation_kl(qwen, qwen, val, random_like(translator)).mean > 100 * max(kl.mean, 1e-6)
     assert validation_kl(qwen, qwen, val, None, condition="empty_prefix").mean > 1e-3
+
+
+def _counting(function, name, calls):
+    def counted(*args):
+        calls.append(name)
+        return function(*args)
+
+    return counted
+
+
+def test_reference_memo_scores_bit_identically_and_computes_each_reference_once(qwen, monkeypatch):
+    import translators.stage1 as stage1
+
+    candidates = candidate_layers(qwen.layout, qwen.layout, "depth", 1)
+    stats = accumulate_pair(empty_stats(qwen.layout, qwen.layout, candidates), qwen, qwen,
+                            [(p, p[-3:]) for p in prefixes(8)], "pre_norm")
+    fitted = solve_translator(stats, assign_layers(stats, qwen.layout, qwen.layout, "depth", 1), qwen.layout,
+                              qwen.layout, "pre_norm")
+    translators = [fitted, random_like(fitted)]
+    val = [(p, c) for p, c in zip(prefixes(3, seed=1), prefixes(3, length=6, seed=2))]
+    fresh = [validation_kl(qwen, qwen, val, t) for t in translators]
+    calls = []
+    monkeypatch.setattr(stage1, "teacher_logits", _counting(stage1.teacher_logits, "teacher", calls))
+    monkeypatch.setattr(stage1, "capture", _counting(stage1.capture, "capture", calls))
+    memo = ReferenceMemo()
+    # New tuples of the same tensors on each call, as FitPlan.val_pairs builds them: still the same samples.
+    kept = [validation_kl(qwen, qwen, [tuple(s) for s in val], t, memo=memo) for t in translators]
+    kept.append(validation_kl(qwen, qwen, val, None, condition="empty_prefix", memo=memo))
+    assert kept[:2] == fresh  # exact equality of every float
+    assert kept[0] != kept[1]  # the translator still decides the score
+    assert calls.count("teacher") == 3 and calls.count("capture") == 3
+    # Other tensors with the same values are other samples; a zero budget keeps nothing.
+    calls.clear()
+    validation_kl(qwen, qwen, [(p.clone(), c.clone()) for p, c in val], fitted, memo=memo)
+    assert calls.count("teacher") == 3
+    calls.clear()
+    nothing_kept = ReferenceMemo(budget_bytes=0)
+    for _ in range(2):
+        validation_kl(qwen, qwen, val, fitted, memo=nothing_kept)
+    assert calls.count("teacher") == 6 and calls.count("capture") == 6
 
 
 def test_pair_whose_attention_types_do_not_correspond_maps_across_types():
