@@ -308,6 +308,10 @@ class ReferenceMemo:
         self._entries: dict[tuple, tuple[tuple, object]] = {}
         self._bytes = 0
 
+    def __len__(self) -> int:
+        """How many values are kept."""
+        return len(self._entries)
+
     def get(self, what: str, sample, compute: Callable[[], object]):
         """The kept value of `what` (e.g. "teacher", "capture:pre_norm") for `sample`, or `compute()`, kept while the
         memo stays under its budget. `sample`: a (prefix, continuation) pair or a cross-tokenizer sample."""

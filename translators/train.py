@@ -35,8 +35,9 @@ from translators.errors import ConfigError, NonFiniteError, PairMismatchError
 from translators.stage1 import ReferenceMemo, Side
 from translators.translator import Translator
 
-# Memory for the source captures one trainer keeps across epochs (see Trainer._source_capture): 600 embedded
-# conversations take about 0.3 GB; a large pair's long prefixes run past it and are captured at each visit.
+# Memory for the references one trainer keeps across epochs (Trainer._references: the source's captures and the
+# target's hidden states): 600 embedded conversations take about 0.3 GB; a large pair's long prefixes run past it
+# and are recomputed at each visit.
 CAPTURE_CACHE_BYTES = 2 << 30
 
 # (prefix_ids [n], continuation_ids [m]) of a same-tokenizer pair, or a cross-tokenizer sample (App. K).
@@ -149,9 +150,9 @@ class Trainer:
         )
         if self.memo is None:
             self.memo = ReferenceMemo()
-        self._teachers: dict[int, torch.Tensor] = {}
-        self._captures: dict[int, Capture] = {}  # sample index → the source's capture (see _source_capture)
-        self._captured_bytes = 0
+        # The frozen models' references of each training sample (the target's hidden states, the source's capture):
+        # every epoch reads the same samples, so kept ones are bit-identical to recomputed ones.
+        self._references = ReferenceMemo(budget_bytes=CAPTURE_CACHE_BYTES)
         self.step_done = 0
 
     # -- one optimizer step -------------------------------------------------------------------------------
@@ -202,40 +203,33 @@ class Trainer:
         if isinstance(self.train[i], CrossSample):
             return self._cross_sample_loss(i)
         prefix, continuation = self.train[i]
-        if i not in self._teachers:  # the frozen target's own prefill never changes: compute once per sample
-            self._teachers[i] = teacher_hidden(self.target.model, prefix, continuation)
+        teacher = self._references.get("teacher_hidden", self.train[i],
+                                       lambda: teacher_hidden(self.target.model, prefix, continuation))
         src = self._source_capture(i, prefix)
         return sample_loss(
             self.translator, src, self.target.model, self.target.layout, prefix, continuation,
-            self.settings.objective, teacher=self._teachers[i],
+            self.settings.objective, teacher=teacher,
         )
 
     def _cross_sample_loss(self, i: int) -> torch.Tensor:
         """The same loss over a cross-tokenizer sample: the source captures its own rendering, the target reads
         translated content between its own prefilled boilerplate (`translators.cross`)."""
         sample = self.train[i]
-        if i not in self._teachers:
-            self._teachers[i] = teacher_hidden_cross(self.target.model, sample)
+        teacher = self._references.get("teacher_hidden", sample, lambda: teacher_hidden_cross(self.target.model, sample))
         src = self._source_capture(i, sample.source_ids, whole=True)
-        return cross_sample_loss(self.translator, src, self.target, sample, self.settings.objective,
-                                 teacher=self._teachers[i])
+        return cross_sample_loss(self.translator, src, self.target, sample, self.settings.objective, teacher=teacher)
 
     def _source_capture(self, i: int, prefix: torch.Tensor, *, whole: bool = False) -> Capture:
-        """The frozen source's capture of prefix[:-1], kept while the cache holds under CAPTURE_CACHE_BYTES.
+        """The frozen source's capture of prefix[:-1] (of the whole rendering for a cross-tokenizer sample), kept
+        while the trainer's references stay under CAPTURE_CACHE_BYTES: on the embedded pair the source's forward
+        is about 45% of a step. Samples past the budget (large pairs, long prefixes) are captured at each visit."""
+        point = self.translator.point
 
-        Every epoch reads the same samples and the source never changes, so a kept capture is bit-identical to
-        recomputing it; on the embedded pair the source's forward is about 45% of a step. Samples past the budget
-        (large pairs, long prefixes) are captured again at each visit.
-        """
-        if i in self._captures:
-            return self._captures[i]
-        with torch.no_grad():  # a cross-tokenizer source reads its whole rendering (`whole`)
-            src = capture(self.source.model, self.source.layout, prefix if whole else prefix[:-1], self.translator.point)
-        size = sum(t.numel() * t.element_size() for tensors in src.objects.values() for t in tensors)
-        if self._captured_bytes + size <= CAPTURE_CACHE_BYTES:
-            self._captures[i] = src
-            self._captured_bytes += size
-        return src
+        def source_forward() -> Capture:
+            with torch.no_grad():
+                return capture(self.source.model, self.source.layout, prefix if whole else prefix[:-1], point)
+
+        return self._references.get(f"capture:{point}", self.train[i], source_forward)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:

@@ -95,17 +95,18 @@ def test_resume_after_interruption_matches_uninterrupted_run(qwen, tmp_path):
 
 
 def test_kept_source_captures_train_exactly_like_recomputed_ones(qwen, monkeypatch):
-    """The trainer keeps the frozen source's captures across epochs (12 steps × 4 samples visit each of the 8
-    samples 6 times); with no budget it recomputes each one at every visit. The maps must agree bit for bit."""
+    """The trainer keeps the frozen models' references across epochs (12 steps × 4 samples visit each of the 8
+    samples 6 times): the source's capture and the target's hidden states of each; with no budget it recomputes
+    them at every visit. The maps must agree bit for bit."""
     import translators.train as train_module
 
     kept = trainer(qwen, steps=12)
     kept.run()
-    assert len(kept._captures) == 8 and kept._captured_bytes > 0
+    assert len(kept._references) == 2 * 8
     monkeypatch.setattr(train_module, "CAPTURE_CACHE_BYTES", 0)
     recomputed = trainer(qwen, steps=12)
     recomputed.run()
-    assert recomputed._captures == {}
+    assert len(recomputed._references) == 0
     for name in kept.translator.maps:
         assert torch.equal(kept.translator.maps[name], recomputed.translator.maps[name]), name
     assert [r["train_kl"] for r in kept.history] == [r["train_kl"] for r in recomputed.history]
