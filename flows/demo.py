@@ -30,7 +30,7 @@ def run_demo(*, steps: int | None = None, eval_limit: int | None = None, data_di
 
 def _build_embedded_pair() -> None:
     """Build (first run) or find the two embedded models here, before the flow starts: the one-time build (about
-    11 minutes on 2 cores) then shows its own progress bars and fails before any MLflow run is opened, and the
+    7-9 minutes on 2 cores) then shows its own progress bars and fails before any MLflow run is opened, and the
     flow's task timings are those of the fits alone."""
     from flows.pipeline import DEMO_PAIR
     from infra.tiny_models import ensure_tiny_model
