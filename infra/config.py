@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from translators.errors import ConfigError
 
@@ -40,10 +40,15 @@ class FitConfig(BaseModel):
                            "source has fewer layers of a target layer's attention type)")
     ridge: float = Field(0.0, ge=0.0, description="0: eigen pseudo-inverse; >0: ridge λ relative to the mean diagonal")
     head_wise: bool = False
-    token_identity: Literal["codebook", "ids"] | None = Field(
-        None, description="append the target's embedding of each token's id to every map's input (hybrid paper "
-        "§3.4): 'codebook' decodes ids from the source's layer-0 cache, 'ids' takes the prompt's ids; same "
-        "tokenizer only")
+    # "auto" (session 29): on CI's build of the embedded pair the codebook took stage 2 to 0.37x / 0.41x of the closed
+    # form against 0.61x / 0.71x without it, recall within 0.083 / 0.050 of native against 0.066 / 0.133 (README,
+    # "Choosing the defaults"); on the MLA family 0.45x against 0.70x. Hybrid (recurrent-state) pairs keep it off:
+    # their recipe was measured without it, and a linear-attention layer 0 holds no per-token object to decode.
+    token_identity: Literal["auto", "codebook", "ids"] | None = Field(
+        "auto", description="append the target's embedding of each token's id to every map's input (hybrid paper "
+        "§3.4): 'codebook' decodes ids from the source's layer-0 cache, 'ids' takes the prompt's ids (same "
+        "tokenizer only); 'auto': codebook for a same-tokenizer pair of attention caches without head-wise maps, "
+        "off otherwise; 'none' (or null): off. A run records what 'auto' chose")
     # λ = state_ridge x each head's mean Gram diagonal: only the source state's dominant directions are corrected, the
     # rest stay copied. Measured on the embedded GDN pair (README, "State ridge"): at 1.0 copy + correction beats plain
     # copy in both directions; the near-unshrunk fit (1e-3) loses in one, because the corrections regress onto the
@@ -81,6 +86,12 @@ class FitConfig(BaseModel):
                          "one is refused, naming the fields); False starts over and replaces the directory's run")
     seeds: list[int] | None = Field(None, min_length=1, description="stage-2 seeds (one distillation each from the "
                                     "same closed form); default [seed]")
+
+    @field_validator("token_identity", mode="before")
+    @classmethod
+    def _none_turns_token_identity_off(cls, value: Any) -> Any:
+        """'none' (the CLI's way to say null) is off."""
+        return None if value == "none" else value
 
     @model_validator(mode="after")
     def _gpu_needs_workers_and_cuda(self) -> FitConfig:

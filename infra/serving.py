@@ -33,7 +33,7 @@ from translators.errors import ConfigError, KvlingoError, PairMismatchError
 from translators.layout import CacheLayout, cache_layout, decoder_of
 from translators.quality import quality_verdict
 from translators.switch import identity_translator
-from translators.translator import Translator
+from translators.translator import TOKEN_EMBEDDING, Translator
 
 APPLIED, FALLBACK, UNSUPPORTED = "applied", "fallback_reprefill", "unsupported"
 STATUSES = (APPLIED, FALLBACK, UNSUPPORTED)
@@ -154,21 +154,54 @@ def model_skeleton(directory: str | Path) -> tuple[torch.nn.Module, CacheLayout]
     decoder = decoder_of(model)
     rotary = decoder.rotary_emb
     decoder.rotary_emb = type(rotary)(config=rotary.config)  # on the CPU: its inv_freq buffer is computed here
-    wanted = {name: module for name, module in model.named_modules() if name.endswith("k_norm")}
-    if wanted:
-        found: dict[str, torch.Tensor] = {}
-        for weights in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(weights), framework="pt") as f:
-                for name in f.keys():  # save_pretrained names: "<module path>.weight"
-                    if name.removesuffix(".weight") in wanted:
-                        found[name.removesuffix(".weight")] = f.get_tensor(name)
-        missing = sorted(set(wanted) - set(found))
-        if missing:
-            raise ServingError(f"{directory}: key-norm weights {missing[:3]} not found in its safetensors files")
-        for name, module in wanted.items():
-            module.weight = torch.nn.Parameter(found[name].to(torch.float32), requires_grad=False)
+    _load_weights(directory, {name: module for name, module in model.named_modules() if name.endswith("k_norm")},
+                  "key-norm")
     model.eval().requires_grad_(False)
     return model, cache_layout(model)
+
+
+def _load_weights(directory: Path, wanted: dict[str, torch.nn.Module], what: str) -> None:
+    """Give each module of `wanted` (module path → module) its weight from the directory's safetensors files, fp32.
+
+    Raises:
+        ServingError: a weight not found in the files.
+    """
+    if not wanted:
+        return
+    found: dict[str, torch.Tensor] = {}
+    for weights in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(weights), framework="pt") as f:
+            for name in f.keys():  # save_pretrained names: "<module path>.weight"
+                if name.removesuffix(".weight") in wanted:
+                    found[name.removesuffix(".weight")] = f.get_tensor(name)
+    missing = sorted(set(wanted) - set(found))
+    if missing:
+        raise ServingError(f"{directory}: {what} weights {missing[:3]} not found in its safetensors files")
+    for name, module in wanted.items():
+        module.weight = torch.nn.Parameter(found[name].to(torch.float32), requires_grad=False)
+
+
+def attach_prompt_token_identity(served: ServedTranslator, model: torch.nn.Module, directory: str | Path) -> None:
+    """Let a served translator that appends token identity read the prompt's ids (no-op for any other).
+
+    The engine knows the ids of the rows it translates (the prompt shares them with the saved conversation), so
+    both variants are served from those ids: for `codebook` they are the ids the codebook decodes wherever it is
+    exact (the fit reports `codebook_accuracy`). The target's input embedding is read from the engine's model
+    directory into `model` (the skeleton), [vocab, d_model] fp32. Only plain `nn.Embedding` inputs are read this
+    way; a scaled one (Gemma-3) leaves the translator without its module and the gate answers unsupported.
+
+    Raises:
+        ServingError: the embedding weight is not in the directory's safetensors files.
+    """
+    from translators.token_identity import TokenIdentity
+
+    translator = served.translator
+    embedding = model.get_input_embeddings()
+    if translator.token_identity is None or type(embedding) is not torch.nn.Embedding:
+        return
+    name = next(path for path, module in model.named_modules() if module is embedding)
+    _load_weights(Path(directory), {name: embedding}, "input-embedding")
+    translator.token_module = TokenIdentity("ids", embedding.weight.detach(), None)
 
 
 @dataclass(frozen=True)
@@ -280,10 +313,13 @@ def gate(served: ServedTranslator, header_of: Callable[[str], dict[str, Any] | N
     if translator.point == "post_rope":
         return Decision(UNSUPPORTED, "translators fitted at post_rope are not served (the connector stores keys "
                                      "at post_norm); refit it at post_norm")
-    if not translator.reads_own_objects or set(translator.objects) != {"keys", "values"}:
+    reads = {name: tuple(o for o in translator.inputs[name] if o != TOKEN_EMBEDDING) for name in translator.objects}
+    if set(translator.objects) != {"keys", "values"} or any(reads[name] != (name,) for name in reads):
         return Decision(UNSUPPORTED, "only GQA → GQA translators (keys and values) are served")
-    if translator.token_identity is not None:
-        return Decision(UNSUPPORTED, "translators that append token identity are not served yet")
+    if translator.token_identity is not None and translator.token_module is None:
+        return Decision(UNSUPPORTED, "the translator appends token identity, read here from the target's input "
+                                     "embedding, and this model's is not a plain embedding table (a scaled one, as "
+                                     "Gemma-3's, is not served yet); refit it with token_identity none")
     n_load = min(_common_prefix(header.get("token_ids") or [], prompt), len(prompt) - 1)
     if n_load < 1:
         return Decision(FALLBACK, f"the prompt shares no prefix with source conversation {conversation}")
@@ -331,13 +367,16 @@ def _own_rows(served: ServedTranslator, header_of: Callable[[str], dict[str, Any
 
 
 def translate_rows(served: ServedTranslator, rows: dict[str, dict[int, torch.Tensor]], model: torch.nn.Module,
-                   layout: CacheLayout, positions: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                   layout: CacheLayout, positions: torch.Tensor,
+                   token_ids: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Translate saved source rows into the target's engine keys and values.
 
     Args:
         rows: {"keys": {source layer: [n, d_src]}, "values": {...}} at post_norm (`ConversationStore.load`).
         model, layout: the target's skeleton (`model_skeleton`).
         positions: [n] target positions of the rows.
+        token_ids: [n] the rows' token ids, read by a translator that appends token identity
+            (`attach_prompt_token_identity`).
     Returns:
         (keys, values): per target layer [n, n_kv_heads * head_dim] fp32; keys after the target's k-norm (from
         a pre_norm translator) and RoPE at `positions`, as the engine stores them.
@@ -345,7 +384,7 @@ def translate_rows(served: ServedTranslator, rows: dict[str, dict[int, torch.Ten
     from translators.points import keys_to_point
 
     with torch.no_grad():
-        out = served.translator.translate_objects(rows)
+        out = served.translator.translate_objects(rows, token_ids)
         keys = [keys_to_point(model, layout, layer, k, start=served.translator.point, end="post_rope",
                               positions=positions) for layer, k in enumerate(out["keys"])]
     return keys, out["values"]

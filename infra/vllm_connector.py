@@ -48,6 +48,7 @@ from infra.serving import (
     ConversationStore,
     Decision,
     ServingError,
+    attach_prompt_token_identity,
     check_conversation_key,
     check_served_config,
     gate,
@@ -79,6 +80,7 @@ class _Load:
     end: int  # one past the last
     block_ids: list[int]
     translate: bool  # False: this model's own saved rows, reused as they are
+    token_ids: list[int]  # the prompt's ids at [start, end) (token identity reads them)
 
 
 @dataclass
@@ -125,6 +127,7 @@ class KvlingoConnector(KVConnectorBase_V1):
         if self._consumer:
             self._served = serve_translator(self._extra["translator"], self._layout, self._signature,
                                             self._extra.get("max_prefix_tokens"))
+            attach_prompt_token_identity(self._served, self._model, self._model_dir)
         # Scheduler side.
         self._requests: dict[str, _RequestState] = {}
         self._request_objects: dict[str, Request] = {}
@@ -209,11 +212,14 @@ class KvlingoConnector(KVConnectorBase_V1):
         """The rows [start, end) to write, split into this model's own reused rows and translated ones."""
         start, end = state.load
         decision, blocks = state.decision, self._block_ids(req_id)
+        prompt = list(self._request_objects[req_id].prompt_token_ids or [])
         loads = []
         if decision.own is not None and start < decision.reused:
-            loads.append(_Load(req_id, decision.own, start, min(end, decision.reused), blocks, False))
+            stop = min(end, decision.reused)
+            loads.append(_Load(req_id, decision.own, start, stop, blocks, False, prompt[start:stop]))
         if end > max(start, decision.reused):
-            loads.append(_Load(req_id, state.source, max(start, decision.reused), end, blocks, True))
+            first = max(start, decision.reused)
+            loads.append(_Load(req_id, state.source, first, end, blocks, True, prompt[first:end]))
         return loads
 
     def _block_ids(self, req_id: str) -> list[int]:
@@ -276,7 +282,8 @@ class KvlingoConnector(KVConnectorBase_V1):
         positions = torch.arange(load.start, load.end)
         if load.translate:
             rows = self._store.load(load.conversation, self._served.translator.source_layers(), load.start, load.end)
-            keys, values = translate_rows(self._served, rows, self._model, self._layout, positions)
+            keys, values = translate_rows(self._served, rows, self._model, self._layout, positions,
+                                          torch.tensor(load.token_ids, dtype=torch.long))
         else:
             rows = self._store.load(load.conversation, list(range(self._layout.n_layers)), load.start, load.end)
             keys, values = own_rows(rows, self._model, self._layout, positions)

@@ -156,7 +156,10 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
         nu = config.nu if config.nu is not None else default_nu(source.layout, target.layout)
         candidates = candidate_layers(source.layout, target.layout, config.assignment, nu)
     corpus = load_conversations(config.data, limit=config.n_train + config.n_val, seed=config.seed)
-    if same_tokenizer(source, target):
+    shared_tokens = same_tokenizer(source, target)
+    # The run records the variant it used, so its config, fingerprint and manifest say what was fitted.
+    config = config.model_copy(update={"token_identity": resolve_token_identity(config, shared_tokens, hybrid)})
+    if shared_tokens:
         samples = build_samples(
             corpus,
             target.tokenizer,
@@ -189,6 +192,14 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
         tokens = make_token_identity(config.token_identity, source.model, source.layout, target.model, config.point)
     return FitPlan(config, source, target, train, val, candidates, nu, out, signatures, manifest, fields,
                    token_identity=tokens, hybrid=hybrid)
+
+
+def resolve_token_identity(config: FitConfig, shared_tokens: bool, hybrid: bool) -> str | None:
+    """The token identity a fit uses: the configured variant, or for "auto" the codebook where it applies (one
+    tokenizer, attention caches only, maps that mix heads; see FitConfig.token_identity) and none elsewhere."""
+    if config.token_identity != "auto":
+        return config.token_identity
+    return "codebook" if shared_tokens and not hybrid and not config.head_wise else None
 
 
 def _cross_samples(config: FitConfig, corpus, source, target) -> list:

@@ -2,7 +2,8 @@
 
 kvlingo-tiny-s → kvlingo-tiny-l (Qwen3 architecture, per-head key norms). The demo's default fit point,
 pre_norm, is one the connector refuses for models with key norms (`unsupported`: the engine's keys cannot be
-taken back before the norm), so the champion here is refitted at post_norm: `kvlingo fit`'s own path
+taken back before the norm), so the champion here is refitted at post_norm, with the default token identity
+(`auto`: the codebook, served from the prompt's ids and the target's embedding table): `kvlingo fit`'s own path
 (`flows.fit.run_fit`) with a small config, logged and registered as `kvlingo fit --track` does (alias
 `champion`) in a temporary MLflow store, and resolved from `models:/<pair>@champion` the way `kvlingo serve`
 does (`tasks.serve.plan_servers` → `registry.tracking.fetch_translator`).
@@ -166,6 +167,7 @@ def test_champion_is_the_post_norm_refit_resolved_from_the_registry(champion):
     manifest = json.loads((Path(consumer.extra["translator"]) / "manifest.json").read_text())
     assert manifest["fit"]["config"]["point"] == "post_norm"
     assert manifest["fit"]["config"]["max_prefix_tokens"] == FIT["max_prefix_tokens"]
+    assert manifest["token_identity"] == "codebook" == manifest["fit"]["config"]["token_identity"]  # what auto chose
     assert consumer.kv_role == "kv_consumer" and champion["producer"].kv_role == "kv_producer"
 
 

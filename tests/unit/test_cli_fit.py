@@ -1,6 +1,7 @@
 """`kvlingo fit --stage1-only` on tiny local models: the JSON contract, the YAML config path, clear errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -43,6 +44,21 @@ def test_self_fit_json_contract_and_artifact(setup, kvlingo_home):
     assert (out / "closed_form" / "manifest.json").is_file()
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["assignment"] == "greedy" and saved["max_prefix_tokens"] == 40  # YAML + CLI override resolved
+    # Token identity's default, auto, chose the codebook for this one-tokenizer attention pair: the saved config,
+    # the manifest and the translator's map widths (the target's embedding, 64 wide, appended) all record it.
+    manifest = json.loads((out / "closed_form" / "manifest.json").read_text())
+    assert saved["token_identity"] == "codebook" == manifest["token_identity"] == manifest["fit"]["config"]["token_identity"]
+    assert summary["codebook_accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("args, chosen", [(["--token-identity", "none"], None), (["--head-wise"], None),
+                                          (["--token-identity", "ids"], "ids")])
+def test_token_identity_auto_is_off_where_asked_or_where_it_cannot_apply(setup, kvlingo_home, tmp_path, args, chosen):
+    result = fit(setup, setup["qwen"], setup["llama"], *args, "--output-dir", str(tmp_path / "out"))
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["token_identity"] == chosen
+    manifest = json.loads((tmp_path / "out" / "closed_form" / "manifest.json").read_text())
+    assert manifest.get("token_identity") == chosen
 
 
 def test_cross_family_pair_fits(setup, kvlingo_home):
@@ -62,6 +78,7 @@ def test_cross_family_pair_fits(setup, kvlingo_home):
         (["{qwen}", "{qwen}", "--data", "/nonexistent/file.jsonl"], "looked for"),
         (["{qwen}", "{qwen}", "--point", "pre"], "point"),
         (["{qwen}", "{qwen}", "--nu", "0"], "nu: Input should be greater than or equal to 1"),
+        (["{qwen}", "{qwen}", "--token-identity", "codebok"], "token_identity: Input should be 'auto', 'codebook' or 'ids'"),
     ],
 )
 def test_bad_input_exits_2(setup, kvlingo_home, args, message):
@@ -96,6 +113,8 @@ def test_different_tokenizers_are_fitted_through_the_alignment(setup, kvlingo_ho
     # Text windows: everything but the last group is translated, the target prefills only that last token.
     assert 0 < alignment["target_prefilled_share"] < 0.1
     assert summary["val_kl"]["closed_form"] < summary["val_kl"]["random_map"]
+    # auto leaves token identity off across tokenizers (the ids would index another vocabulary).
+    assert yaml.safe_load((Path(summary["run_dir"]) / "config.yaml").read_text())["token_identity"] is None
 
 
 def test_empty_dataset_and_too_long_prefix(setup, kvlingo_home, tmp_path):

@@ -11,6 +11,7 @@ from infra.serving import (
     UNSUPPORTED,
     ConversationStore,
     ServingError,
+    attach_prompt_token_identity,
     check_served_config,
     gate,
     model_skeleton,
@@ -19,7 +20,7 @@ from infra.serving import (
     serve_translator,
     translate_rows,
 )
-from translators.artifact import save_translator
+from translators.artifact import load_translator, save_translator
 from translators.capture import capture
 from translators.errors import ConfigError, PairMismatchError
 from translators.layout import cache_layout
@@ -269,3 +270,66 @@ def test_plan_servers_checks_the_pair_before_any_engine(tmp_path):
     assert (there.kv_role, back.kv_role) == ("kv_both", "kv_both")
     assert there.extra["translator"] == str(art.resolve()) and back.extra["translator"] == "identity"
     assert check_served_config(there.extra, consumer=True)
+
+
+def _token_identity_artifact(tmp_path, target_family):
+    """A codebook translator llama → `target_family` fitted at post_norm from a few random prompts, saved; the
+    target saved as a model directory. Returns (source, target model, target dir, artifact, signatures)."""
+    from translators.stage1 import Side, accumulate_pair, candidate_layers, empty_stats, solve_translator
+    from translators.token_identity import make_token_identity
+
+    source = tiny_model("llama", seed=1)
+    target_dir = save_tiny_model_dir(target_family, tmp_path / target_family, seed=2)
+    target = tiny_model(target_family, seed=2)
+    src, tgt = Side(source, cache_layout(source)), Side(target, cache_layout(target))
+    tokens = make_token_identity("codebook", source, src.layout, target, "post_norm")
+    cands = candidate_layers(src.layout, tgt.layout, "depth", 1)
+    stats = empty_stats(src.layout, tgt.layout, cands, token_width=tokens.width)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 97, (24,), generator=g) for _ in range(8)]
+    accumulate_pair(stats, src, tgt, [(p, p[-4:]) for p in prompts], "post_norm", token_identity=tokens)
+    translator = solve_translator(stats, {n: cands for n in stats}, src.layout, tgt.layout, "post_norm",
+                                  token_identity="codebook")
+    sigs = signature(src.layout, "s"), signature(tgt.layout, "t")
+    art = save_translator(translator, tmp_path / f"art-{target_family}", source=sigs[0], target=sigs[1], fit={})
+    return source, target, target_dir, art, sigs
+
+
+def test_token_identity_is_served_from_the_prompts_ids(tmp_path):
+    """The connector's translation of a codebook translator (the target's embedding read from its directory, the
+    prompt's ids) equals kvlingo's own: the artifact with its codebook attached for the loaded pair, then the
+    target's k-norm and RoPE."""
+    from translators.token_identity import attach_token_identity
+
+    source, target, target_dir, art, (ssig, tsig) = _token_identity_artifact(tmp_path, "llama")
+    skeleton, layout = model_skeleton(target_dir)
+    served = serve_translator(str(art), layout, tsig)
+    header = {"token_ids": list(range(3, 40)), "source": ssig}
+    before = gate(served, {"k": header}.get, list(range(3, 40)), "k")
+    assert before.status == UNSUPPORTED and "appends token identity" in before.reason
+    attach_prompt_token_identity(served, skeleton, target_dir)
+    assert gate(served, {"k": header}.get, list(range(3, 40)), "k").status == APPLIED
+
+    ids = torch.arange(3, 40)
+    cap = capture(source, cache_layout(source), ids, "post_norm")
+    rows = {"keys": dict(enumerate(k[4:9] for k in cap.keys)), "values": dict(enumerate(v[4:9] for v in cap.values))}
+    positions = torch.arange(4, 9)
+    keys, values = translate_rows(served, rows, skeleton, layout, positions, ids[4:9])
+
+    reference, _ = load_translator(art)
+    attach_token_identity(reference, source, cache_layout(source), target)
+    out = reference.translate_objects({"keys": cap.keys, "values": cap.values})  # the codebook decodes the ids
+    for layer in range(layout.n_layers):
+        expected = keys_to_point(target, layout, layer, out["keys"][layer][4:9], start="post_norm", end="post_rope",
+                                 positions=positions)
+        torch.testing.assert_close(keys[layer], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(values[layer], out["values"][layer][4:9], atol=1e-5, rtol=1e-5)
+
+
+def test_token_identity_into_a_scaled_embedding_is_refused_per_request(tmp_path):
+    _, _, target_dir, art, (ssig, tsig) = _token_identity_artifact(tmp_path, "gemma3")
+    skeleton, layout = model_skeleton(target_dir)
+    served = serve_translator(str(art), layout, tsig)
+    attach_prompt_token_identity(served, skeleton, target_dir)
+    decision = gate(served, {"k": {"token_ids": [1, 2, 3], "source": ssig}}.get, [1, 2, 3], "k")
+    assert decision.status == UNSUPPORTED and "Gemma-3" in decision.reason and "token_identity none" in decision.reason
