@@ -730,6 +730,9 @@ def plan_command(
     nu: Annotated[int | None, typer.Option(min=1, help="source layers per target layer (ν; default: kvlingo fit's)")] = None,
     steps: Annotated[int, typer.Option(min=1, help="stage-2 steps")] = 400,
     batch: Annotated[int, typer.Option(min=1, help="stage-2 conversations per step")] = 8,
+    token_identity: Annotated[bool | None, typer.Option("--token-identity/--no-token-identity", help="cost the maps "
+                              "with token identity (default: as kvlingo fit's auto, on when the two vocabularies have "
+                              "the same size)")] = None,
     bf16_tflops: Annotated[float, typer.Option(help="assumed peak bf16 TFLOP/s per GPU (H100 SXM dense: 989)")] = 989.0,
     fp64_tflops: Annotated[float, typer.Option(help="assumed peak fp64 TFLOP/s per GPU (H100 SXM tensor cores: 67)")] = 67.0,
     mfu: Annotated[float, typer.Option(help="assumed fraction of the bf16 peak reached by model passes")] = 0.35,
@@ -751,7 +754,7 @@ def plan_command(
 
     try:
         workload = Workload(tokens=tokens, prefix_tokens=prefix_tokens, continuation_tokens=continuation_tokens,
-                            assignment=assignment, nu=nu, steps=steps, batch=batch)
+                            assignment=assignment, nu=nu, steps=steps, batch=batch, token_identity=token_identity)
         throughput = Throughput(bf16_tflops=bf16_tflops, fp64_tflops=fp64_tflops, mfu=mfu, gpu_memory_gb=gpu_memory_gb)
         result = plan(source, target, workload, gpus, throughput, configs_dir=configs)
         if measure:
@@ -772,6 +775,7 @@ def _print_plan(r: dict) -> None:
                   f"{r['gpus']} GPU(s), {w['assignment']} ν={w['nu']}, {r['throughput']['name']} at MFU {r['throughput']['mfu']}")
     rows = [
         ("K/V width d_src / d_tgt", f"{r['kv_width']['source']} / {r['kv_width']['target']}"),
+        ("token identity", "on (+ the target's embedding per source layer)" if w["token_identity"] else "off"),
         ("capture GFLOP/token source / target",
          f"{r['capture_flops_per_token']['source'] / 1e9:.3f} / {r['capture_flops_per_token']['target'] / 1e9:.3f}"),
         ("Gram fp64 GFLOP/token (K+V)", f"{r['gram_flops_per_token'] / 1e9:.3f}"),

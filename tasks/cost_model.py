@@ -15,6 +15,9 @@ The model (GQA decoders: Llama, Qwen3, Gemma-3, Mistral, SmolLM2; one K and one 
   (source, target) candidate, 2·d_tgt per target layer (the trace term). With ν = 1 relative depth that is
   d_src² per token and candidate layer (times two for the multiply-add); the default R² assignment reads every
   same-type source layer per target layer, so every source pair of a type is accumulated.
+- Token identity (on by default for a same-tokenizer pair) appends the target's input embedding (hidden_size
+  wide) to each source layer's features: d_src above is then kv_width + hidden_size, in the Gram sums, the maps
+  and the translation alike.
 - Statistics memory: 8 bytes per entry of those sums (fp64), independent of the token count; one shard merge
   moves (writes, then reads back) one such set of sums.
 - Stage-2 step (one conversation: L prefix tokens, m continuation tokens): source capture of the prefix
@@ -208,6 +211,10 @@ class Workload:
     steps: int = 400
     batch: int = 8
     shard_samples: int = 32  # conversations per content-addressed statistics shard (tasks.fit.STATS_SHARD_SIZE)
+    # Token identity appends the target's input embedding (hidden_size wide) to every source layer's features.
+    # None: as `kvlingo fit`'s default (auto) decides for a same-tokenizer pair, read here as equal vocabulary sizes
+    # (the tokenizers themselves are not loaded).
+    token_identity: bool | None = None
 
     def __post_init__(self):
         for key in ("tokens", "prefix_tokens", "continuation_tokens", "nu", "steps", "batch", "shard_samples"):
@@ -252,24 +259,35 @@ class CostEstimate:
         return asdict(self)
 
 
-def map_params(source: ModelShape, target: ModelShape, nu: int, objects: int = 2) -> int:
-    """Translator parameters: per target layer and object, a d_tgt × ν·d_src map."""
-    return objects * target.n_layers * nu * source.kv_width * target.kv_width
+def map_params(source: ModelShape, target: ModelShape, nu: int, objects: int = 2, token_width: int = 0) -> int:
+    """Translator parameters: per target layer and object, a d_tgt × ν·d_src map (d_src: the source's K/V width
+    plus `token_width`, the target embedding token identity appends, 0 without it)."""
+    return objects * target.n_layers * nu * (source.kv_width + token_width) * target.kv_width
 
 
 def gram_flops_per_token(source: ModelShape, target: ModelShape, candidates: dict[int, tuple[int, ...]],
-                         objects: int = 2) -> float:
-    """fp64 FLOPs of `GramStats.accumulate` per token, over all cache objects (see the module docstring)."""
+                         objects: int = 2, token_width: int = 0) -> float:
+    """fp64 FLOPs of `GramStats.accumulate` per token, over all cache objects (see the module docstring;
+    `token_width` as in `map_params`)."""
     c = gram_counts(candidates)
-    ds, dt = source.kv_width, target.kv_width
+    ds, dt = source.kv_width + token_width, target.kv_width
     return objects * (2 * ds * ds * c["xx"] + 2 * ds * dt * c["xy"] + 2 * dt * c["yy"])
 
 
-def stats_bytes(source: ModelShape, target: ModelShape, candidates: dict[int, tuple[int, ...]], objects: int = 2) -> int:
-    """fp64 bytes of one set of statistics (what one shard stores and one merge reads)."""
+def stats_bytes(source: ModelShape, target: ModelShape, candidates: dict[int, tuple[int, ...]], objects: int = 2,
+                token_width: int = 0) -> int:
+    """fp64 bytes of one set of statistics (what one shard stores and one merge reads; `token_width` as in
+    `map_params`)."""
     c = gram_counts(candidates)
-    ds, dt = source.kv_width, target.kv_width
+    ds, dt = source.kv_width + token_width, target.kv_width
     return objects * 8 * (ds * ds * c["xx"] + ds * dt * c["xy"] + c["yy"])
+
+
+def token_width_of(source: ModelShape, target: ModelShape, token_identity: bool | None) -> int:
+    """The width token identity appends to each source layer's features: the target's hidden size when it is on
+    (None: on for equal vocabulary sizes, see `Workload.token_identity`), else 0."""
+    on = source.vocab == target.vocab if token_identity is None else token_identity
+    return target.hidden if on else 0
 
 
 def capture_flops_per_token(model: ModelShape, prefix_tokens: int) -> float:
@@ -278,11 +296,12 @@ def capture_flops_per_token(model: ModelShape, prefix_tokens: int) -> float:
 
 
 def stage2_sample_flops(source: ModelShape, target: ModelShape, prefix_tokens: int, continuation_tokens: int,
-                        nu: int, objects: int = 2) -> dict[str, float]:
-    """FLOPs of one conversation in one stage-2 step, by part (see the module docstring)."""
+                        nu: int, objects: int = 2, token_width: int = 0) -> dict[str, float]:
+    """FLOPs of one conversation in one stage-2 step, by part (see the module docstring; `token_width` as in
+    `map_params`)."""
     L, m = prefix_tokens, continuation_tokens
     capture = L * source.forward_flops_per_token(L)
-    translate = (L - 1) * objects * target.n_layers * 2 * nu * source.kv_width * target.kv_width
+    translate = (L - 1) * objects * target.n_layers * 2 * nu * (source.kv_width + token_width) * target.kv_width
     # The student's m queries each read the L-1 injected positions plus the causal part of the continuation.
     attention = m * sum(4 * target.heads * target.head_dim * min(L - 1 + (m + 1) / 2,
                         target.sliding_window or math.inf) for _ in range(target.n_layers))
@@ -303,17 +322,20 @@ def estimate(source: ModelShape, target: ModelShape, workload: Workload, gpus: i
         raise ConfigError(f"gpus must be ≥ 1, got {gpus}")
     tp = throughput or Throughput()
     workload = replace(workload, nu=fit_nu(source, target, workload.nu))
+    tw = token_width_of(source, target, workload.token_identity)
+    workload = replace(workload, token_identity=tw > 0)
     cands = candidate_sets(source, target, workload.assignment, workload.nu)
     counts = gram_counts(cands)
     cap = {"source": capture_flops_per_token(source, workload.prefix_tokens),
            "target": capture_flops_per_token(target, workload.prefix_tokens)}
-    gram = gram_flops_per_token(source, target, cands)
-    nbytes = stats_bytes(source, target, cands)
+    gram = gram_flops_per_token(source, target, cands, token_width=tw)
+    nbytes = stats_bytes(source, target, cands, token_width=tw)
     n = workload.tokens
     s1 = {"capture": n * (cap["source"] + cap["target"]), "gram": n * gram}
-    sample = stage2_sample_flops(source, target, workload.prefix_tokens, workload.continuation_tokens, workload.nu)
+    sample = stage2_sample_flops(source, target, workload.prefix_tokens, workload.continuation_tokens, workload.nu,
+                                 token_width=tw)
     step = workload.batch * sum(sample.values())
-    params = map_params(source, target, workload.nu)
+    params = map_params(source, target, workload.nu, token_width=tw)
     bf16, fp64 = tp.bf16_tflops * 1e12 * tp.mfu, tp.fp64_tflops * 1e12 * tp.gram_efficiency
     shards = workload.shards
     # Each worker sums its own shards, then the driver sums one partial per worker (tree of depth two).

@@ -82,7 +82,8 @@ def test_estimate_wall_time_by_hand():
     m = ModelShape.from_config("small", SMALL)
     tp = Throughput(bf16_tflops=1e-9, fp64_tflops=1e-9, mfu=1.0, gram_efficiency=1.0, merge_gb_s=1e-6,
                     allreduce_gb_s=1e-6)  # 1000 FLOP/s, 1000 B/s: seconds are FLOPs / 1000
-    w = Workload(tokens=30, prefix_tokens=3, continuation_tokens=2, assignment="depth", nu=1, steps=2, batch=4, shard_samples=4)
+    w = Workload(tokens=30, prefix_tokens=3, continuation_tokens=2, assignment="depth", nu=1, steps=2, batch=4, shard_samples=4,
+                 token_identity=False)
     e = estimate(m, m, w, gpus=2, throughput=tp)
     cap = capture_flops_per_token(m, 3)
     assert e.stage1_flops["capture"] == pytest.approx(30 * 2 * cap)
@@ -98,6 +99,31 @@ def test_estimate_wall_time_by_hand():
     assert e.stage2_step_flops == pytest.approx(4 * sample)
     assert e.seconds["stage2"] == pytest.approx(2 * (4 * sample / 2 / 1000 + 2 * 4 * e.map_params / 1000))
     assert e.seconds["total"] == pytest.approx(e.seconds["stage1"] + e.seconds["stage2"])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_token_identity_widens_the_statistics_as_kvlingo_allocates_them(family):
+    """With token identity every source layer's features gain the target's embedding: the cost model's bytes equal
+    stage 1's allocation with that token width, and its default follows the vocabularies."""
+    from tiny_configs import tiny_model
+    from translators.layout import cache_layout
+    from translators.stage1 import candidate_layers, empty_stats
+
+    src_model, tgt_model = tiny_model(family), tiny_model(family, seed=1, hidden_size=48)
+    src, tgt = (ModelShape.from_config(family, m.config.to_dict()) for m in (src_model, tgt_model))
+    cands = candidate_layers(cache_layout(src_model), cache_layout(tgt_model), "r2", 2)
+    stats = empty_stats(cache_layout(src_model), cache_layout(tgt_model), cands, token_width=48)
+    allocated = sum(t.numel() * t.element_size() for s in stats.values() for part in (s.xx, s.xy, s.yy)
+                    for t in part.values())
+    assert stats_bytes(src, tgt, cands, token_width=48) == allocated > stats_bytes(src, tgt, cands)
+    on = estimate(src, tgt, Workload(tokens=1000), gpus=1)  # equal vocabularies: on, as kvlingo fit's auto
+    off = estimate(src, tgt, Workload(tokens=1000, token_identity=False), gpus=1)
+    assert on.workload["token_identity"] and not off.workload["token_identity"]
+    assert on.stats_bytes == allocated and on.map_params == map_params(src, tgt, 2, token_width=48)
+    ds, dt = src.kv_width, tgt.kv_width
+    assert on.map_params / off.map_params == pytest.approx((ds + 48) / ds) and dt
+    other = ModelShape.from_config("other", {**tgt_model.config.to_dict(), "vocab_size": src.vocab + 1})
+    assert not estimate(src, other, Workload(tokens=1000), gpus=1).workload["token_identity"]
 
 
 def test_bad_inputs_are_config_errors():
@@ -131,6 +157,14 @@ def test_plan_cli_reads_hub_configs_from_a_folder(tmp_path, monkeypatch):
     assert r["kv_width"] == {"source": 1024, "target": 1024}
     # r2: all 28·29/2 source pairs and 28·28 maps per object; fp64
     assert r["candidates"] == {"xx": 406, "xy": 784, "yy": 28}
+    # One tokenizer (151,936 entries both): token identity is on, as in kvlingo fit, and each source layer's
+    # features gain the target's 2048-wide embedding: about 3x the statistics, beyond one 80 GB GPU.
+    assert r["workload"]["token_identity"]
+    assert r["stats_bytes"] == 2 * 8 * (3072**2 * 406 + 3072 * 1024 * 784 + 28)
+    assert any("exceed 80 GB per GPU" in w for w in r["warnings"])
+    out = CliRunner().invoke(app, ["plan", "Qwen/Qwen3-0.6B", "Qwen/Qwen3-1.7B", "--tokens", "500000", "--gpus", "8",
+                                   "--configs", str(tmp_path), "--no-token-identity", "--json"])
+    r = json.loads(out.stdout)
     assert r["stats_bytes"] == 2 * 8 * (1024**2 * 406 + 1024**2 * 784 + 28)
     assert r["gram_flops_per_token"] == 2 * (2 * 1024**2 * 406 + 2 * 1024**2 * 784 + 2 * 1024 * 28)
     assert r["seconds"]["total"] > 0 and r["gpus"] == 8
