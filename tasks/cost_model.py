@@ -16,8 +16,9 @@ The model (GQA decoders: Llama, Qwen3, Gemma-3, Mistral, SmolLM2; one K and one 
   d_src² per token and candidate layer (times two for the multiply-add); the default R² assignment reads every
   same-type source layer per target layer, so every source pair of a type is accumulated.
 - Token identity (on by default for a same-tokenizer pair) appends the target's input embedding (hidden_size
-  wide) to each source layer's features: d_src above is then kv_width + hidden_size, in the Gram sums, the maps
-  and the translation alike.
+  wide, d_tok) to each source layer's features: the maps and the translation read ν·(d_src + d_tok) features.
+  The Gram sums keep the embedding's terms once (`GramStats.te/ee/ey`): 2·d_tok·d_src per source layer read,
+  2·d_tok² once and 2·d_tok·d_tgt per target layer, beside the sums above.
 - Statistics memory: 8 bytes per entry of those sums (fp64), independent of the token count; one shard merge
   moves (writes, then reads back) one such set of sums.
 - Stage-2 step (one conversation: L prefix tokens, m continuation tokens): source capture of the prefix
@@ -270,8 +271,9 @@ def gram_flops_per_token(source: ModelShape, target: ModelShape, candidates: dic
     """fp64 FLOPs of `GramStats.accumulate` per token, over all cache objects (see the module docstring;
     `token_width` as in `map_params`)."""
     c = gram_counts(candidates)
-    ds, dt = source.kv_width + token_width, target.kv_width
-    return objects * (2 * ds * ds * c["xx"] + 2 * ds * dt * c["xy"] + 2 * dt * c["yy"])
+    ds, dt, dk = source.kv_width, target.kv_width, token_width
+    tokens = 2 * dk * ds * _sources_read(candidates) + 2 * dk * dk + 2 * dk * dt * c["yy"] if dk else 0
+    return objects * (2 * ds * ds * c["xx"] + 2 * ds * dt * c["xy"] + 2 * dt * c["yy"] + tokens)
 
 
 def stats_bytes(source: ModelShape, target: ModelShape, candidates: dict[int, tuple[int, ...]], objects: int = 2,
@@ -279,8 +281,14 @@ def stats_bytes(source: ModelShape, target: ModelShape, candidates: dict[int, tu
     """fp64 bytes of one set of statistics (what one shard stores and one merge reads; `token_width` as in
     `map_params`)."""
     c = gram_counts(candidates)
-    ds, dt = source.kv_width + token_width, target.kv_width
-    return objects * 8 * (ds * ds * c["xx"] + ds * dt * c["xy"] + c["yy"])
+    ds, dt, dk = source.kv_width, target.kv_width, token_width
+    tokens = dk * ds * _sources_read(candidates) + dk * dk + dk * dt * c["yy"]
+    return objects * 8 * (ds * ds * c["xx"] + ds * dt * c["xy"] + c["yy"] + tokens)
+
+
+def _sources_read(candidates: dict[int, tuple[int, ...]]) -> int:
+    """Source layers some target layer reads."""
+    return len({s for sources in candidates.values() for s in sources})
 
 
 def token_width_of(source: ModelShape, target: ModelShape, token_identity: bool | None) -> int:

@@ -254,8 +254,11 @@ def claim_run_dir(out: Path, fields: dict[str, Any], *, resume: bool) -> None:
 
 def stats_key(plan: FitPlan, samples: list) -> str:
     """Content address of the statistics of `samples` for this pair, point and candidate set."""
+    from translators.gram import FORMAT
+
     h = hashlib.sha256()
-    setup = [plan.signatures, plan.config.point, plan.config.weighting, sorted(plan.candidates.items())]
+    # The file format is part of the address: shards of an older layout are recomputed, never misread.
+    setup = [FORMAT, plan.signatures, plan.config.point, plan.config.weighting, sorted(plan.candidates.items())]
     if plan.config.token_identity:  # the token features are part of every statistic
         setup.append(plan.config.token_identity)
     h.update(json.dumps(setup, sort_keys=True, default=str).encode())
@@ -477,8 +480,7 @@ def solve_closed_form(plan: FitPlan, stats: dict, val_stats: dict) -> tuple[Any,
         "n_val": len(plan.val),
         "train_tokens": next(iter(stats.values())).n_tokens,
         # Fixed by the pair and candidate set, not by the data: the statistics hold sums, never design matrices.
-        "stats_mb": sum(t.numel() * t.element_size() for object_stats in stats.values()
-                        for part in (object_stats.xx, object_stats.xy, object_stats.yy) for t in part.values()) / 2**20,
+        "stats_mb": sum(object_stats.nbytes for object_stats in stats.values()) / 2**20,
         "artifact": str(plan.out / "closed_form"),
         "artifacts": {"closed_form": str(plan.out / "closed_form")},
         "run_dir": str(plan.out),

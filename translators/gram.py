@@ -7,6 +7,13 @@ the sums X_s^T W X_s', X_s^T W Y_l and tr(Y_l^T W Y_l), so :class:`GramStats`
 keeps exactly those sums and nothing per-sample: memory is independent of how
 many tokens were accumulated, and partial statistics computed on disjoint shards
 add up to the one-pass result.
+
+With token identity every source layer's features are [X_s | E] (E in R^{n x d_tok},
+the target's embedding of each token, `translators.token_identity`). The sums that
+involve E are the same for every source layer, so they are kept once (E^T W X_s,
+E^T W E, E^T W Y_l) and the block views assemble them wherever a layer's features
+repeat E: memory grows by d_tok·(d_src + d_tok + d_tgt) per layer rather than by a
+factor ((d_src + d_tok) / d_src)^2.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from os import PathLike
 from typing import Sequence
 
@@ -27,7 +34,7 @@ from translators.objects import OBJECT_NAMES, CacheObject
 
 # Bumped whenever the on-disk layout changes, so old files fail loudly instead of
 # being misread.
-_FORMAT = "kvlingo.gram.v1"
+FORMAT = "kvlingo.gram.v2"  # v2: the token-identity sums are kept once (te, ee, ey)
 _META_KEY = "kvlingo_gram"
 
 Candidates = dict[int, tuple[int, ...]]
@@ -94,6 +101,10 @@ class GramStats:
     yy: dict[int, torch.Tensor]  # l: scalar fp64 = sum_i w_i ||y_{l,i}||^2
     weight_sum: float  # sum_i w_i  (== number of tokens when unweighted)
     n_tokens: int
+    # Token identity (d_tok > 0): e_i is appended to every source layer's features; its sums are kept once.
+    te: dict[int, torch.Tensor] = field(default_factory=dict)  # s: [d_tok, d_src] = sum_i w_i e_i x_{s,i}^T
+    ee: torch.Tensor | None = None  # [d_tok, d_tok] = sum_i w_i e_i e_i^T; None without token identity
+    ey: dict[int, torch.Tensor] = field(default_factory=dict)  # l: [d_tok, d_tgt] = sum_i w_i e_i y_{l,i}^T
 
     # ------------------------------------------------------------------ construction
 
@@ -105,6 +116,7 @@ class GramStats:
         d_src: int,
         d_tgt: int,
         *,
+        d_tok: int = 0,
         device: torch.device | str = "cpu",
     ) -> "GramStats":
         """Zero statistics for ``candidates``.
@@ -114,6 +126,7 @@ class GramStats:
                 "keys" or "values").
             candidates: target layer -> candidate source layers (0-indexed).
             d_src, d_tgt: feature widths of one source / target layer.
+            d_tok: width of the token features appended to every source layer (token identity), 0 for none.
             device: where the sums live (inputs are moved there before the matmul).
 
         Raises:
@@ -126,12 +139,19 @@ class GramStats:
         for name, d in (("d_src", d_src), ("d_tgt", d_tgt)):
             if isinstance(d, bool) or not isinstance(d, int) or d < 1:
                 raise ConfigError(f"{name} must be a positive integer feature width, got {d!r}")
+        if isinstance(d_tok, bool) or not isinstance(d_tok, int) or d_tok < 0:
+            raise ConfigError(f"d_tok must be a non-negative integer feature width, got {d_tok!r}")
         cands = normalize_candidates(candidates)
         f64 = dict(dtype=torch.float64, device=device)
         xx = {p: torch.zeros(d_src, d_src, **f64) for p in _pairs(cands)}
         xy = {(s, t): torch.zeros(d_src, d_tgt, **f64) for t, srcs in cands.items() for s in srcs}
         yy = {t: torch.zeros((), **f64) for t in cands}
-        return cls(side=side, candidates=cands, xx=xx, xy=xy, yy=yy, weight_sum=0.0, n_tokens=0)
+        stats = cls(side=side, candidates=cands, xx=xx, xy=xy, yy=yy, weight_sum=0.0, n_tokens=0)
+        if d_tok:
+            stats.te = {s: torch.zeros(d_tok, d_src, **f64) for s in stats.source_layers}
+            stats.ee = torch.zeros(d_tok, d_tok, **f64)
+            stats.ey = {t: torch.zeros(d_tok, d_tgt, **f64) for t in cands}
+        return stats
 
     # ------------------------------------------------------------------ properties
 
@@ -144,6 +164,22 @@ class GramStats:
     def d_tgt(self) -> int:
         """Feature width of one target layer."""
         return next(iter(self.xy.values())).shape[1]
+
+    @property
+    def d_tok(self) -> int:
+        """Width of the token features appended to every source layer (0 without token identity)."""
+        return 0 if self.ee is None else self.ee.shape[0]
+
+    @property
+    def d_in(self) -> int:
+        """Features one source layer contributes to a map's input: d_src + d_tok."""
+        return self.d_src + self.d_tok
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all the sums (what a shard stores)."""
+        parts = [*self.xx.values(), *self.xy.values(), *self.yy.values(), *self.te.values(), *self.ey.values()]
+        return sum(t.numel() * t.element_size() for t in parts + ([] if self.ee is None else [self.ee]))
 
     @property
     def device(self) -> torch.device:
@@ -192,6 +228,7 @@ class GramStats:
         src: Sequence[torch.Tensor],
         tgt: Sequence[torch.Tensor],
         weights: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
     ) -> None:
         """Add one batch of aligned positions to the sums (in place).
 
@@ -203,15 +240,31 @@ class GramStats:
             weights: optional [n] non-negative per-position weights, e.g. the mean
                 attention a position receives (attention-weighted norm
                 ||D||^2_attn = sum_i a_i ||d_i||^2). None means all ones.
+            tokens: [n, d_tok] token features appended to every source layer (token identity); required
+                exactly when the statistics were made with d_tok > 0.
 
         Raises:
-            ConfigError: wrong number of layers, shapes, or position counts; negative weights.
+            ConfigError: wrong number of layers, shapes, or position counts; negative weights; token
+                features given without d_tok or missing with it.
             NonFiniteError: NaN/Inf in an input layer or in the weights.
         """
+        if (tokens is None) != (self.d_tok == 0):
+            raise ConfigError(f"these {self.side} statistics {'hold' if self.d_tok else 'do not hold'} token "
+                              f"features (d_tok={self.d_tok}): pass tokens exactly when they do")
         xs = {s: self._features(src, s, "source", self.d_src) for s in self.source_layers}
         ys = {t: self._features(tgt, t, "target", self.d_tgt) for t in self.target_layers}
         n = self._common_length(xs, ys)
         w = self._weights(weights, n)
+        if tokens is not None:
+            e = self._features([tokens], 0, "token", self.d_tok)
+            if e.shape[0] != n:
+                raise ConfigError(f"token features hold {e.shape[0]} positions, the layers {n}")
+            ew = e if w is None else e * w[:, None]
+            for s, acc in self.te.items():
+                acc += ew.T @ xs[s]
+            self.ee += ew.T @ e
+            for t, acc in self.ey.items():
+                acc += ew.T @ ys[t]
 
         # Weight one factor only: sum_i w_i a_i b_i^T = (w * A)^T B.
         xw = {s: x if w is None else x * w[:, None] for s, x in xs.items()}
@@ -268,10 +321,11 @@ class GramStats:
                 "cannot merge statistics over different candidate layers; "
                 "accumulate every shard with the same candidates"
             )
-        if (other.d_src, other.d_tgt) != (self.d_src, self.d_tgt):
+        if (other.d_src, other.d_tgt, other.d_tok) != (self.d_src, self.d_tgt, self.d_tok):
             raise PairMismatchError(
-                f"cannot merge statistics of widths (d_src={self.d_src}, d_tgt={self.d_tgt}) and "
-                f"(d_src={other.d_src}, d_tgt={other.d_tgt}); they come from different model pairs"
+                f"cannot merge statistics of widths (d_src={self.d_src}, d_tgt={self.d_tgt}, d_tok={self.d_tok}) "
+                f"and (d_src={other.d_src}, d_tgt={other.d_tgt}, d_tok={other.d_tok}); they come from different "
+                "model pairs or token-identity settings"
             )
 
     def merge(self, other: "GramStats") -> "GramStats":
@@ -290,6 +344,9 @@ class GramStats:
             yy={k: v + other.yy[k].to(dev) for k, v in self.yy.items()},
             weight_sum=self.weight_sum + other.weight_sum,
             n_tokens=self.n_tokens + other.n_tokens,
+            te={k: v + other.te[k].to(dev) for k, v in self.te.items()},
+            ee=None if self.ee is None else self.ee + other.ee.to(dev),
+            ey={k: v + other.ey[k].to(dev) for k, v in self.ey.items()},
         )
 
     def __add__(self, other: "GramStats") -> "GramStats":
@@ -307,10 +364,11 @@ class GramStats:
         return srcs
 
     def block_gram(self, sources: Sequence[int]) -> torch.Tensor:
-        """X_E^T W X_E for E = ``sources`` (in the given order).
+        """X_E^T W X_E for E = ``sources`` (in the given order); with token identity each layer's features are
+        [x_s | e], so the token sums appear once per layer.
 
         Returns:
-            [nu*d_src, nu*d_src] fp64, block (i, j) = sum_i w x_{E_i} x_{E_j}^T.
+            [nu*d_in, nu*d_in] fp64, block (i, j) = sum_i w x_{E_i} x_{E_j}^T.
 
         Raises:
             ConfigError: empty/repeated sources, or a pair that was never accumulated
@@ -328,7 +386,11 @@ class GramStats:
                         f"layer, so their cross moment was not accumulated; candidates: {self.candidates}"
                     )
                 # Only s <= s' is stored; the other triangle is its transpose.
-                row.append(self.xx[key] if s <= s2 else self.xx[key].T)
+                block = self.xx[key] if s <= s2 else self.xx[key].T
+                if self.d_tok:  # [x_s | e]^T W [x_s2 | e]
+                    block = torch.cat([torch.cat([block, self.te[s].T], dim=1),
+                                       torch.cat([self.te[s2], self.ee], dim=1)], dim=0)
+                row.append(block)
             rows.append(torch.cat(row, dim=1))
         return torch.cat(rows, dim=0)
 
@@ -336,7 +398,7 @@ class GramStats:
         """X_E^T W Y_target for E = ``sources`` (in the given order).
 
         Returns:
-            [nu*d_src, d_tgt] fp64.
+            [nu*d_in, d_tgt] fp64 (with token identity each layer's rows are x_s's, then e's).
 
         Raises:
             ConfigError: unknown target, or a source that is not a candidate of it.
@@ -349,6 +411,8 @@ class GramStats:
                 f"source layers {missing} are not candidates of target layer {t} "
                 f"(candidates: {self.candidates[t]})"
             )
+        if self.d_tok:
+            return torch.cat([part for s in srcs for part in (self.xy[(s, t)], self.ey[t])], dim=0)
         return torch.cat([self.xy[(s, t)] for s in srcs], dim=0)
 
     def _check_target(self, target: int) -> int:
@@ -369,8 +433,14 @@ class GramStats:
             tensors[f"xy.{s}.{t}"] = v.detach().cpu().contiguous()
         for t, v in self.yy.items():
             tensors[f"yy.{t}"] = v.detach().cpu().contiguous()
+        for s, v in self.te.items():
+            tensors[f"te.{s}"] = v.detach().cpu().contiguous()
+        if self.ee is not None:
+            tensors["ee"] = self.ee.detach().cpu().contiguous()
+        for t, v in self.ey.items():
+            tensors[f"ey.{t}"] = v.detach().cpu().contiguous()
         meta = {
-            "format": _FORMAT,
+            "format": FORMAT,
             "side": self.side,
             # JSON object keys must be strings; load() converts them back.
             "candidates": {str(t): list(srcs) for t, srcs in self.candidates.items()},
@@ -393,13 +463,13 @@ class GramStats:
             if raw is None:
                 raise PairMismatchError(f"{path} is not a kvlingo GramStats file (no {_META_KEY!r} metadata)")
             meta = json.loads(raw)
-            if meta.get("format") != _FORMAT:
-                raise PairMismatchError(f"{path} has format {meta.get('format')!r}, expected {_FORMAT!r}")
+            if meta.get("format") != FORMAT:
+                raise PairMismatchError(f"{path} has format {meta.get('format')!r}, expected {FORMAT!r}")
             tensors = {k: f.get_tensor(k).to(device) for k in f.keys()}
         if meta.get("side") not in OBJECT_NAMES:
             raise PairMismatchError(f"{path}: unknown side {meta.get('side')!r}")
         cands = normalize_candidates({int(t): tuple(srcs) for t, srcs in meta["candidates"].items()})
-        xx, xy, yy = {}, {}, {}
+        xx, xy, yy, te, ey = {}, {}, {}, {}, {}
         for name, v in tensors.items():
             kind, *idx = name.split(".")
             if kind == "xx":
@@ -408,8 +478,15 @@ class GramStats:
                 xy[(int(idx[0]), int(idx[1]))] = v
             elif kind == "yy":
                 yy[int(idx[0])] = v
+            elif kind == "te":
+                te[int(idx[0])] = v
+            elif kind == "ey":
+                ey[int(idx[0])] = v
+        ee = tensors.get("ee")
         expected_xy = {(s, t) for t, srcs in cands.items() for s in srcs}
-        if set(xx) != set(_pairs(cands)) or set(xy) != expected_xy or set(yy) != set(cands):
+        sources = {s for srcs in cands.values() for s in srcs}
+        tokens_ok = (not te and not ey) if ee is None else (set(te) == sources and set(ey) == set(cands))
+        if set(xx) != set(_pairs(cands)) or set(xy) != expected_xy or set(yy) != set(cands) or not tokens_ok:
             raise PairMismatchError(f"{path}: stored tensors do not match the recorded candidates")
         weight_sum = float(meta["weight_sum"])
         if not math.isfinite(weight_sum):
@@ -422,4 +499,7 @@ class GramStats:
             yy=yy,
             weight_sum=weight_sum,
             n_tokens=int(meta["n_tokens"]),
+            te=te,
+            ee=ee,
+            ey=ey,
         )

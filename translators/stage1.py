@@ -88,7 +88,8 @@ def empty_stats(
 ) -> dict[str, GramStats]:
     """Zero statistics per target cache object, keyed by object name: the source side is what that object's
     map reads per source layer (`object_inputs`: the same object, or the source's attention objects side by
-    side, plus `token_width` features of token identity), the target side the object's width.
+    side; with `token_width`, token identity's features, summed once for all source layers), the target side the
+    object's width.
 
     Args:
         objects: the target objects to fit; default the target's `cache_objects` (GQA: keys, values).
@@ -101,8 +102,8 @@ def empty_stats(
     readable = {obj.name: obj for obj in (*cache_objects(source), *objects)}
     return {
         obj.name: GramStats.empty(
-            obj, candidates, input_width(source, tuple(readable[n] for n in inputs[obj.name])) + token_width,
-            object_width(obj, target))
+            obj, candidates, input_width(source, tuple(readable[n] for n in inputs[obj.name])),
+            object_width(obj, target), d_tok=token_width)
         for obj in objects
     }
 
@@ -174,9 +175,7 @@ def accumulate_pair(
             tokens = token_identity.embed(token_identity.ids(src.objects, prefix)) if token_identity else None
             for obj in objects:
                 features = [source_features(src.objects, inputs[obj.name], s) for s in range(source.layout.n_layers)]
-                if tokens is not None:
-                    features = [torch.cat([x, tokens.to(x.dtype)], dim=-1) for x in features]
-                stats[obj.name].accumulate(features, tgt.objects[obj.name], weights)
+                stats[obj.name].accumulate(features, tgt.objects[obj.name], weights, tokens)
             if on_sample:
                 on_sample(prefix.numel())
     return stats
@@ -211,7 +210,7 @@ def solve_translator(
     Raises:
         ConfigError: head-wise maps for a cache without attention heads (MLA).
     """
-    d_src = _one_or_each({name: stats[name].d_src for name in assignment})
+    d_src = _one_or_each({name: stats[name].d_in for name in assignment})
     d_tgt = _one_or_each({name: stats[name].d_tgt for name in assignment})
     inputs = object_inputs(source, target, tuple(assignment))
     translator = Translator(assignment, d_src, d_tgt, point, with_tokens(inputs) if token_identity else inputs,

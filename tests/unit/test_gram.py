@@ -178,3 +178,36 @@ def test_shape_and_weight_errors():
     with pytest.raises(ConfigError):
         st.accumulate(src, tgt, weights=torch.ones(9))
     assert st.n_tokens == 0  # failed calls leave the sums untouched
+
+
+def test_token_features_are_kept_once_and_assemble_the_concatenated_design(tmp_path):
+    """With token identity each source layer's features are [x_s | e]: the blocks equal numpy's on that design
+    (weighted, ν = 2 in both orders), merging shards equals one pass, save/load keeps the token sums, and the
+    statistics hold e's sums once (not once per source layer)."""
+    d_tok, n = 4, 30
+    src, tgt = _data(n, 6)
+    g = torch.Generator().manual_seed(7)
+    e, w = torch.randn(n, d_tok, generator=g), torch.rand(n, generator=g)
+    st = GramStats.empty("keys", CANDS, D_SRC, D_TGT, d_tok=d_tok)
+    assert (st.d_tok, st.d_in) == (d_tok, D_SRC + d_tok)
+    st.accumulate(src, tgt, weights=w, tokens=e)
+    wide = [torch.cat([x, e], dim=1) for x in src]
+    W = np.diag(_np(w))
+    X = np.concatenate([_np(wide[3]), _np(wide[1])], axis=1)
+    np.testing.assert_allclose(st.block_gram([3, 1]).numpy(), X.T @ W @ X, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(st.block_cross([3, 1], 1).numpy(), X.T @ W @ _np(tgt[1]), rtol=1e-12, atol=1e-12)
+    concatenated = GramStats.empty("keys", CANDS, D_SRC + d_tok, D_TGT)
+    concatenated.accumulate(wide, tgt, weights=w)
+    assert st.nbytes < concatenated.nbytes
+    parts = [GramStats.empty("keys", CANDS, D_SRC, D_TGT, d_tok=d_tok) for _ in range(2)]
+    for part, rows in zip(parts, (slice(0, 12), slice(12, n))):
+        part.accumulate([x[rows] for x in src], [y[rows] for y in tgt], weights=w[rows], tokens=e[rows])
+    merged = parts[0] + parts[1]
+    torch.testing.assert_close(merged.block_gram([0, 1]), st.block_gram([0, 1]), rtol=1e-12, atol=1e-12)
+    st.save(tmp_path / "t.safetensors")
+    back = GramStats.load(tmp_path / "t.safetensors")
+    assert torch.equal(back.block_gram([1, 3]), st.block_gram([1, 3])) and torch.equal(back.ee, st.ee)
+    with pytest.raises(ConfigError, match="pass tokens exactly when they do"):
+        st.accumulate(src, tgt)
+    with pytest.raises(PairMismatchError, match="d_tok"):
+        st.merge(GramStats.empty("keys", CANDS, D_SRC, D_TGT))
