@@ -163,7 +163,7 @@ def fit(
                            "plain copy (λ relative to the mean Gram diagonal)")] = None,
     weighting: Annotated[str | None, typer.Option(help="stage-1 norm: uniform | attention (App. O)")] = None,
     token_identity: Annotated[str | None, typer.Option(help="append the target's embedding of each token id to the "
-                              "maps' input: auto (the default: codebook for a same-tokenizer pair of attention caches) | codebook (ids decoded "
+                              "maps' input: auto (the default: codebook for a same-tokenizer pair of GQA caches) | codebook (ids decoded "
                               "from the source's layer-0 cache) | ids | none")] = None,
     data: Annotated[str | None, typer.Option(help="'embedded[:N]', a local json/jsonl file or a HF dataset id")] = None,
     n_train: Annotated[int | None, typer.Option(help="training samples")] = None,

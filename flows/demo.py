@@ -9,6 +9,7 @@ are content-addressed, stage 2 restarts from its last checkpoint.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,12 @@ def run_demo(*, steps: int | None = None, eval_limit: int | None = None, data_di
     if html is not None:
         check_page_path(html)
     use_tracking_store()  # fail fast on an unreachable tracking server, before any compute
-    _build_embedded_pair()
-    start_local_prefect_api()
+    # Prefect's temporary server takes ~6 s to start; started beside the build, which keeps one core busy (its
+    # steps gain little from a second thread), it is ready when the flow needs it. Its errors re-raise here.
+    with ThreadPoolExecutor(1) as pool:
+        prefect = pool.submit(start_local_prefect_api)
+        _build_embedded_pair()
+        prefect.result()
     return demo_flow(steps=steps, eval_limit=eval_limit or DEMO_EVAL_LIMIT, data_dir=data_dir, html=html)
 
 

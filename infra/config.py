@@ -40,15 +40,16 @@ class FitConfig(BaseModel):
                            "source has fewer layers of a target layer's attention type)")
     ridge: float = Field(0.0, ge=0.0, description="0: eigen pseudo-inverse; >0: ridge λ relative to the mean diagonal")
     head_wise: bool = False
-    # "auto" (session 29): on CI's build of the embedded pair the codebook took stage 2 to 0.37x / 0.41x of the closed
-    # form against 0.61x / 0.71x without it, recall within 0.083 / 0.050 of native against 0.066 / 0.133 (README,
-    # "Choosing the defaults"); on the MLA family 0.45x against 0.70x. Hybrid (recurrent-state) pairs keep it off:
-    # their recipe was measured without it, and a linear-attention layer 0 holds no per-token object to decode.
+    # "auto" (session 29), measured on CI's build (README, "Status and known limits"): on the embedded GQA pair the
+    # codebook took stage 2 to 0.37x / 0.41x of the closed form against 0.61x / 0.71x without it (distilled KL
+    # 0.049 vs 0.046 and 0.033 vs 0.053), recall within 0.083 / 0.050 of native against 0.066 / 0.133. On the MLA
+    # family it helped one pair of three (distilled KL l-mla -> s-mla 0.083 vs 0.114; s-mla -> l-mla 0.110 vs 0.058,
+    # tiny-l -> s-mla 0.082 vs 0.075), so auto leaves MLA/DSA caches, hybrids and head-wise maps without it.
     token_identity: Literal["auto", "codebook", "ids"] | None = Field(
         "auto", description="append the target's embedding of each token's id to every map's input (hybrid paper "
         "§3.4): 'codebook' decodes ids from the source's layer-0 cache, 'ids' takes the prompt's ids (same "
-        "tokenizer only); 'auto': codebook for a same-tokenizer pair of attention caches without head-wise maps, "
-        "off otherwise; 'none' (or null): off. A run records what 'auto' chose")
+        "tokenizer only); 'auto': codebook for a same-tokenizer pair of GQA caches with maps that mix heads, off "
+        "otherwise; 'none' (or null): off. A run records what 'auto' chose")
     # λ = state_ridge x each head's mean Gram diagonal: only the source state's dominant directions are corrected, the
     # rest stay copied. Measured on the embedded GDN pair (README, "State ridge"): at 1.0 copy + correction beats plain
     # copy in both directions; the near-unshrunk fit (1e-3) loses in one, because the corrections regress onto the

@@ -135,6 +135,7 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
     from infra.pairs import same_tokenizer
     from infra.samples import build_samples, check_prefix_lengths, split_by_conversation
     from infra.zoo import load_model, model_signature
+    from translators.objects import object_names
     from translators.stage1 import candidate_layers, default_nu
 
     preflight(config)
@@ -157,8 +158,9 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
         candidates = candidate_layers(source.layout, target.layout, config.assignment, nu)
     corpus = load_conversations(config.data, limit=config.n_train + config.n_val, seed=config.seed)
     shared_tokens = same_tokenizer(source, target)
+    both_gqa = object_names(source.layout) == object_names(target.layout) == ("keys", "values")
     # The run records the variant it used, so its config, fingerprint and manifest say what was fitted.
-    config = config.model_copy(update={"token_identity": resolve_token_identity(config, shared_tokens, hybrid)})
+    config = config.model_copy(update={"token_identity": resolve_token_identity(config, shared_tokens, both_gqa)})
     if shared_tokens:
         samples = build_samples(
             corpus,
@@ -194,12 +196,13 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
                    token_identity=tokens, hybrid=hybrid)
 
 
-def resolve_token_identity(config: FitConfig, shared_tokens: bool, hybrid: bool) -> str | None:
-    """The token identity a fit uses: the configured variant, or for "auto" the codebook where it applies (one
-    tokenizer, attention caches only, maps that mix heads; see FitConfig.token_identity) and none elsewhere."""
+def resolve_token_identity(config: FitConfig, shared_tokens: bool, both_gqa: bool) -> str | None:
+    """The token identity a fit uses: the configured variant, or for "auto" the codebook where it was measured to
+    help (one tokenizer, GQA K/V caches on both sides, maps that mix heads; see FitConfig.token_identity) and
+    none elsewhere."""
     if config.token_identity != "auto":
         return config.token_identity
-    return "codebook" if shared_tokens and not hybrid and not config.head_wise else None
+    return "codebook" if shared_tokens and both_gqa and not config.head_wise else None
 
 
 def _cross_samples(config: FitConfig, corpus, source, target) -> list:

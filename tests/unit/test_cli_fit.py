@@ -51,10 +51,17 @@ def test_self_fit_json_contract_and_artifact(setup, kvlingo_home):
     assert summary["codebook_accuracy"] == 1.0
 
 
-@pytest.mark.parametrize("args, chosen", [(["--token-identity", "none"], None), (["--head-wise"], None),
-                                          (["--token-identity", "ids"], "ids")])
-def test_token_identity_auto_is_off_where_asked_or_where_it_cannot_apply(setup, kvlingo_home, tmp_path, args, chosen):
-    result = fit(setup, setup["qwen"], setup["llama"], *args, "--output-dir", str(tmp_path / "out"))
+@pytest.mark.parametrize("target, args, chosen", [("llama", ["--token-identity", "none"], None),
+                                                  ("llama", ["--head-wise"], None),
+                                                  ("llama", ["--token-identity", "ids"], "ids"),
+                                                  ("mla", [], None)])
+def test_token_identity_auto_is_off_where_asked_or_where_it_was_not_measured_to_help(setup, kvlingo_home, tmp_path,
+                                                                                    target, args, chosen):
+    """auto turns the codebook on for one-tokenizer GQA pairs only: not across head-wise maps, nor into MLA."""
+    from tiny_configs import save_tiny_mla_model_dir
+
+    target_dir = setup["llama"] if target == "llama" else str(save_tiny_mla_model_dir("deepseek_v3", tmp_path / "mla"))
+    result = fit(setup, setup["qwen"], target_dir, *args, "--output-dir", str(tmp_path / "out"))
     assert result.exit_code == 0, result.output
     assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["token_identity"] == chosen
     manifest = json.loads((tmp_path / "out" / "closed_form" / "manifest.json").read_text())
