@@ -76,11 +76,15 @@ def test_champions_reload_and_reproduce_their_logged_kl(demo_home, monkeypatch):
     from infra.zoo import load_model, model_signature
     from registry.tracking import load_translator_uri
     from translators.stage1 import validation_kl
+    from translators.token_identity import attach_token_identity
 
     for fit in result["fits"]:
         source, target = load_model(fit["source"]), load_model(fit["target"])
         uri = f"models:/{fit['source']}--{fit['target']}@champion"
         translator, manifest = load_translator_uri(uri, model_signature(source), model_signature(target))
+        # kvlingo fit's default for this one-tokenizer GQA pair: the codebook, rebuilt from the loaded pair.
+        assert manifest["token_identity"] == "codebook" and fit["codebook_accuracy"] == 1.0
+        attach_token_identity(translator, source.model, source.layout, target.model)
         config = FitConfig(**yaml.safe_load((Path(fit["run_dir"]) / "config.yaml").read_text()))
         plan = plan_fit(config)
         src, tgt = plan.sides

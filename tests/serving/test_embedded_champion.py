@@ -151,9 +151,13 @@ def reference(champion, prompts):
     from translators.switch import switch_generate
 
     source, target = load_model(SOURCE, device="cpu"), load_model(TARGET, device="cpu")
+    from translators.token_identity import attach_token_identity
+
     translator, _ = load_translator(champion["consumer"].extra["translator"], source=model_signature(source),
                                     target=model_signature(target))
     assert translator.point == "post_norm"
+    # kvlingo's runtime decodes the ids with the source's codebook; the engine reads the prompt's own ids.
+    attach_token_identity(translator, source.model, source.layout, target.model)
     src, tgt = Side(source.model, source.layout), Side(target.model, target.layout)
     settings = GenerationSettings(max_new_tokens=1)
     return [int(switch_generate(src, tgt, p, translator, settings).token_ids[0]) for p in prompts]
