@@ -27,7 +27,8 @@ CONDITION_NOTES = {
     "target_native": "the target prefills the whole context itself: the reference a translated cache should match",
     "source_native": "the source answers from its own cache: the model we switch away from (on KL rows, how far "
                      "the source's predictions are from the target's, not a translation error)",
-    "closed_form": "the target decodes from the stage-1 translation (per-layer ridge maps fitted in closed form)",
+    "closed_form": "the target decodes from the stage-1 translation (per-layer linear maps solved in closed form "
+                   "from Gram statistics)",
     "distilled": "the target decodes from the stage-2 translation (the closed form refined by self-distillation)",
     "empty_prefix": "the floor: the target reads only the last context token, nothing of the history",
     "random_map": "a control: random maps of the translator's shapes (validation KL only)",
