@@ -15,7 +15,7 @@ The model (GQA decoders: Llama, Qwen3, Gemma-3, Mistral, SmolLM2; one K and one 
   (source, target) candidate, 2·d_tgt per target layer (the trace term). With ν = 1 relative depth that is
   d_src² per token and candidate layer (times two for the multiply-add); the default R² assignment reads every
   same-type source layer per target layer, so every source pair of a type is accumulated.
-- Token identity (on by default for a same-tokenizer pair) appends the target's input embedding (hidden_size
+- Token identity (on by default for a same-tokenizer GQA pair) appends the target's input embedding (hidden_size
   wide, d_tok) to each source layer's features: the maps and the translation read ν·(d_src + d_tok) features.
   The Gram sums keep the embedding's terms once (`GramStats.te/ee/ey`): 2·d_tok·d_src per source layer read,
   2·d_tok² once and 2·d_tok·d_tgt per target layer, beside the sums above.
@@ -272,7 +272,7 @@ def gram_flops_per_token(source: ModelShape, target: ModelShape, candidates: dic
     `token_width` as in `map_params`)."""
     c = gram_counts(candidates)
     ds, dt, dk = source.kv_width, target.kv_width, token_width
-    tokens = 2 * dk * ds * _sources_read(candidates) + 2 * dk * dk + 2 * dk * dt * c["yy"] if dk else 0
+    tokens = 2 * dk * ds * _sources_read(candidates) + 2 * dk * dk + 2 * dk * dt * c["yy"]
     return objects * (2 * ds * ds * c["xx"] + 2 * ds * dt * c["xy"] + 2 * dt * c["yy"] + tokens)
 
 
