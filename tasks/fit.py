@@ -175,9 +175,10 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
         for loaded in (source, target):
             check_prefix_lengths(samples, loaded.layout.max_positions, loaded.name)
     else:
-        if config.token_identity:
-            raise ConfigError(f"token identity needs one tokenizer, but {source.name} and {target.name} tokenize "
-                              "differently (the ids would index another vocabulary): drop --token-identity")
+        if config.token_identity == "codebook":
+            from translators.cross import CROSS_CODEBOOK_ERROR
+
+            raise ConfigError(f"{source.name} and {target.name} tokenize differently: {CROSS_CODEBOOK_ERROR}")
         samples = _cross_samples(config, corpus, source, target)
     train, val = split_by_conversation(samples, val_fraction=config.n_val / (config.n_train + config.n_val), seed=config.seed)
     signatures = {"source": model_signature(source), "target": model_signature(target)}

@@ -138,6 +138,21 @@ def group_mean_targets(rows: torch.Tensor, target_group: torch.Tensor, source_gr
     return (sums / counts[:, None])[source_group]
 
 
+CROSS_CODEBOOK_ERROR = ("token identity 'codebook' decodes the source's own token ids, which do not index the "
+                        "target's embedding across tokenizers: use --token-identity ids (the target's ids of the "
+                        "aligned tokens) or none")
+
+
+def aligned_token_ids(sample: CrossSample) -> torch.Tensor:
+    """[k] the target's token id at the position each translated source token is assigned to (App. K's j(i)).
+
+    These are token identity's ids across tokenizers: the text is known on both sides, so the translator may
+    read the target's own embedding of the target token its row stands for (exactly the token of the same text
+    in a 1:1 group, e.g. a digit).
+    """
+    return sample.target_ids[sample.positions]
+
+
 def accumulate_cross(
     stats: dict[str, GramStats],
     source: Side,
@@ -146,9 +161,13 @@ def accumulate_cross(
     point: str,
     objects: tuple[CacheObject, ...] | None = None,
     on_sample: Callable[[int], None] | None = None,
+    token_identity=None,
 ) -> dict[str, GramStats]:
     """Add paired statistics of each sample's aligned tokens to `stats` (in place): the source's capture of each
     translated token against the mean of its group's target captures (App. K, "Initialising the translators").
+
+    token_identity: a `translators.token_identity.TokenIdentity` of the `ids` variant: the target's embedding of
+        each translated token's aligned target id (`aligned_token_ids`) is appended, as the translator will.
 
     Raises:
         NonFiniteError: a capture holds NaN/Inf.
@@ -164,11 +183,12 @@ def accumulate_cross(
             tgt = capture(target.model, target.layout, sample.target_ids, point, objects)
             src.check_finite("source")
             tgt.check_finite("target")
+            tokens = token_identity.embed(aligned_token_ids(sample)) if token_identity is not None else None
             for obj in objects:
                 xs = [source_features(src.objects, inputs[obj.name], s)[sample.translated]
                       for s in range(source.layout.n_layers)]
                 ys = [group_mean_targets(y, sample.target_group, sample.source_group) for y in tgt.objects[obj.name]]
-                stats[obj.name].accumulate(xs, ys)
+                stats[obj.name].accumulate(xs, ys, None, tokens)
             if on_sample:
                 on_sample(sample.target_ids.numel())
     return stats
@@ -252,9 +272,10 @@ def source_capture(source: Side, sample: CrossSample, point: str) -> Capture:
 
 
 def translated_tensors(translator: Translator, cap: Capture, sample: CrossSample) -> dict[str, list[torch.Tensor]]:
-    """The translator applied to the content tokens of a source capture: name → per target layer [k, width]."""
+    """The translator applied to the content tokens of a source capture: name → per target layer [k, width]. A
+    translator with token identity reads the aligned target ids (`aligned_token_ids`)."""
     content = {name: [x[sample.translated] for x in layers] for name, layers in cap.objects.items()}
-    return translator.translate_objects(content)
+    return translator.translate_objects(content, aligned_token_ids(sample))
 
 
 def cross_sample_loss(
@@ -353,17 +374,21 @@ def accumulate_samples(
 ) -> dict[str, GramStats]:
     """Stage-1 statistics of same-tokenizer (prefix, continuation) pairs or of cross-tokenizer samples.
 
-    token_identity: a `translators.token_identity.TokenIdentity` (same-tokenizer pairs only).
+    token_identity: a `translators.token_identity.TokenIdentity`; across tokenizers the `ids` variant only (the
+        aligned target ids, `aligned_token_ids`).
 
     Raises:
-        ConfigError: the attention weighting or token identity on cross-tokenizer samples (the weights are per
-            target position, the regression rows per translated source token; ids index one vocabulary).
+        ConfigError: the attention weighting or the codebook on cross-tokenizer samples (the weights are per
+            target position, the regression rows per translated source token; the codebook decodes the source's
+            own vocabulary, which does not index the target's embedding).
     """
     if samples and isinstance(samples[0], CrossSample):
-        if weighting != "uniform" or token_identity is not None:
-            raise ConfigError("cross-tokenizer pairs fit with the uniform weighting and without token identity only "
-                              "(drop --weighting attention / --token-identity)")
-        return accumulate_cross(stats, source, target, samples, point, on_sample=on_sample)
+        if weighting != "uniform":
+            raise ConfigError("cross-tokenizer pairs fit with the uniform weighting only (drop --weighting attention)")
+        if token_identity is not None and token_identity.variant != "ids":
+            raise ConfigError(CROSS_CODEBOOK_ERROR)
+        return accumulate_cross(stats, source, target, samples, point, on_sample=on_sample,
+                                token_identity=token_identity)
     return accumulate_pair(stats, source, target, samples, point, weighting=weighting, on_sample=on_sample,
                            token_identity=token_identity)
 

@@ -436,7 +436,9 @@ class CrossConversation:
         index = torch.tensor(entries, dtype=torch.long)
         rows = {name: [x.index_select(0, index.to(x.device)) for x in xs] for name, xs in line.objects.items()}
         assigned = [rcv_idx[alignment.assigned[position_of[int(line.positions[e])]]] for e in entries]
-        translated = translate(self.translators[(source, receiver)], rows)
+        # Token identity across tokenizers reads the receiver's ids of the tokens the entries are assigned to.
+        receiver_ids = torch.tensor([self.transcripts[receiver].ids[a] for a in assigned], dtype=torch.long)
+        translated = translate(self.translators[(source, receiver)], rows, receiver_ids)
         return _Written(translated, torch.tensor(assigned, dtype=torch.long), origin, hops + 1)
 
     def _runs(self, receiver: str, start: int, written: Mapping[int, _Written]) -> list[tuple]:

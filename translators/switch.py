@@ -170,11 +170,12 @@ def identity_translator(layout: CacheLayout, point: str = DEFAULT_POINT) -> Tran
 
 
 def translate(
-    translator: Translator | None, tensors: Mapping[str, Sequence[torch.Tensor]]
+    translator: Translator | None, tensors: Mapping[str, Sequence[torch.Tensor]], token_ids: torch.Tensor | None = None
 ) -> dict[str, list[torch.Tensor]]:
     """Map source cache objects (name → list over source layers of [n_tokens, d_src]) to the target's.
 
-    None is the identity: the tensors are returned as they are.
+    None is the identity: the tensors are returned as they are. token_ids: [n_tokens] target ids, read by a
+    translator with token identity's `ids` variant.
 
     Returns:
         name → list over target layers of [n_tokens, d_tgt].
@@ -182,7 +183,8 @@ def translate(
     if translator is None:
         return {name: list(xs) for name, xs in tensors.items()}
     weight = next(translator.parameters())
-    return translator.translate_objects({name: [x.to(weight.device) for x in xs] for name, xs in tensors.items()})
+    return translator.translate_objects({name: [x.to(weight.device) for x in xs] for name, xs in tensors.items()},
+                                        token_ids)
 
 
 def translated_cache(

@@ -6,9 +6,11 @@ Two variants give the ids:
 - `codebook` (cache-only): layer 0's position-free cache object (MLA: the latent; GQA: the values) is a function
   of the token alone, so a codebook with one row per vocabulary entry (the object that entry produces) decodes
   every cached row back to its token id by nearest neighbour. Nothing but the source's cache is read.
-- `ids`: the caller passes the ids (a serving system knows the prompt).
+- `ids`: the caller passes the ids (a serving system knows the prompt). Across tokenizers these are the target's
+  ids of the tokens each source token is aligned to (`translators.cross.aligned_token_ids`): both tokenizations
+  of the text are known there.
 
-Both need a shared tokenizer: the decoded or given id indexes the target's embedding.
+The codebook needs a shared tokenizer: the id it decodes must index the target's embedding.
 
 Privacy: because the codebook recovers tokens from the cache (`codebook_accuracy`, 1.0 on MLA latents), a cached
 or translated KV cache is not an anonymised form of the prompt; protect it like the prompt itself.

@@ -122,6 +122,15 @@ def test_different_tokenizers_are_fitted_through_the_alignment(setup, kvlingo_ho
     assert summary["val_kl"]["closed_form"] < summary["val_kl"]["random_map"]
     # auto leaves token identity off across tokenizers (the ids would index another vocabulary).
     assert yaml.safe_load((Path(summary["run_dir"]) / "config.yaml").read_text())["token_identity"] is None
+    # ids: the target's embedding of each aligned target token; the codebook (source ids) is refused, naming ids.
+    with_ids = fit(setup, setup["qwen"], str(other), "--stage1-only", "--token-identity", "ids", "--json")
+    assert with_ids.exit_code == 0, with_ids.stderr
+    ids_summary = json.loads(with_ids.stdout)
+    manifest = json.loads((Path(ids_summary["artifact"]) / "manifest.json").read_text())
+    assert manifest["token_identity"] == "ids" and manifest["fit"]["config"]["token_identity"] == "ids"
+    assert ids_summary["val_kl"]["closed_form"] < ids_summary["val_kl"]["random_map"]
+    codebook = fit(setup, setup["qwen"], str(other), "--stage1-only", "--token-identity", "codebook")
+    assert codebook.exit_code == 2 and "use --token-identity ids" in " ".join(codebook.stderr.split())
 
 
 def test_empty_dataset_and_too_long_prefix(setup, kvlingo_home, tmp_path):

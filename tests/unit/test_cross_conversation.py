@@ -29,6 +29,8 @@ from translators.generation import GenerationSettings
 from translators.inject import decode_step
 from translators.layout import cache_layout
 from translators.stage1 import Side
+from translators.token_identity import TokenIdentity, target_embedding, with_tokens
+from translators.translator import Translator
 
 SETTINGS = GenerationSettings(max_new_tokens=3)
 
@@ -140,8 +142,25 @@ def test_segment_entries_of_a_message_match_its_writers_content_tokens(pair):
 # ------------------------------------------- 3. one switch: the same cache as the single-prefix path of cross.py
 
 
-def test_one_switch_equals_the_single_prefix_mixed_cache(pair, tok_a, tok_b):
-    sides, _, translators = pair
+def with_token_identity(translator, target_side, seed=3, scale=0.1):
+    """`translator`'s assignment with random maps that also read the target's embedding of the aligned ids."""
+    inputs = with_tokens(translator.inputs)
+    width = target_side.model.config.hidden_size
+    out = Translator(translator.assignment, translator.d_src + width, translator.d_tgt, translator.point, inputs, "ids")
+    g = torch.Generator().manual_seed(seed)
+    for name in out.objects:
+        for layer in range(out.n_target_layers):
+            out.set_weight(name, layer, scale * torch.randn(out.weight(name, layer).shape, generator=g))
+    out.token_module = TokenIdentity("ids", target_embedding(target_side.model), None)
+    return out
+
+
+@pytest.mark.parametrize("token_identity", [False, True])
+def test_one_switch_equals_the_single_prefix_mixed_cache(pair, tok_a, tok_b, token_identity):
+    sides, formats, translators = pair
+    if token_identity:  # the receiver's ids of the aligned tokens come from its transcript, not from the sample
+        translators = {**translators, ("A", "B"): with_token_identity(translators[("A", "B")], sides["B"])}
+        pair = (sides, formats, translators)
     conv = conversation(pair, "segment", unaligned="prefill")
     conv.append(CONVERSATIONS[0][:4])  # system, user, assistant, user
     conv.generate(GenerationSettings(max_new_tokens=4))
