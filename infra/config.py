@@ -48,8 +48,8 @@ class FitConfig(BaseModel):
     token_identity: Literal["auto", "codebook", "ids"] | None = Field(
         "auto", description="append the target's embedding of each token's id to every map's input (hybrid paper "
         "§3.4): 'codebook' decodes ids from the source's layer-0 cache, 'ids' takes the prompt's ids (across "
-        "tokenizers: the target's ids of the aligned tokens); 'auto': codebook for a same-tokenizer pair of GQA caches with maps that mix heads, off "
-        "otherwise; 'none' (or null): off. A run records what 'auto' chose")
+        "tokenizers: the target's ids of the aligned tokens); 'auto': codebook for a same-tokenizer pair of GQA "
+        "caches with maps that mix heads, off otherwise; 'none' (or null): off. A run records what 'auto' chose")
     # λ = state_ridge x each head's mean Gram diagonal: only the source state's dominant directions are corrected, the
     # rest stay copied. Measured on the embedded GDN pair (README, "State ridge"): at 1.0 copy + correction beats plain
     # copy in both directions; the near-unshrunk fit (1e-3) loses in one, because the corrections regress onto the
