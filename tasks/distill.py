@@ -156,31 +156,33 @@ def run_ray(
     from infra.settings import kvlingo_home
 
     ray_init(ray_address)
-    result_dir = Path(tempfile.mkdtemp(prefix="kvlingo-distill-"))
-    settings_dict = {**asdict(settings), "objective": asdict(settings.objective)}
-    config = {
-        "source": source_name,
-        "target": target_name,
-        "translator": _translator_payload(translator),
-        "settings": settings_dict,
-        "train": [tuple(s) for s in train],
-        "val": [tuple(s) for s in val],
-        "run_signature": run_signature,
-        "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None,
-        "result_dir": str(result_dir),
-        "threads_per_worker": threads_per_worker or max(1, (os.cpu_count() or 1) // workers),
-        "stop_after": stop_after,
-    }
-    trainer = TorchTrainer(
-        _ray_worker,
-        train_loop_config=config,
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
-        run_config=RunConfig(name="kvlingo-distill", storage_path=str(kvlingo_home() / "ray_results")),
-    )
-    trainer.fit()
-    maps = load_file(str(result_dir / "maps.safetensors"))
-    for name, value in maps.items():
-        translator.maps[name].data.copy_(value)
-    history = json.loads((result_dir / "history.json").read_text())
-    return translator, history
+    # Rank 0 leaves the trained maps and history here; removed once they are read back.
+    with tempfile.TemporaryDirectory(prefix="kvlingo-distill-") as scratch:
+        result_dir = Path(scratch)
+        settings_dict = {**asdict(settings), "objective": asdict(settings.objective)}
+        config = {
+            "source": source_name,
+            "target": target_name,
+            "translator": _translator_payload(translator),
+            "settings": settings_dict,
+            "train": [tuple(s) for s in train],
+            "val": [tuple(s) for s in val],
+            "run_signature": run_signature,
+            "checkpoint_dir": str(checkpoint_dir) if checkpoint_dir else None,
+            "result_dir": str(result_dir),
+            "threads_per_worker": threads_per_worker or max(1, (os.cpu_count() or 1) // workers),
+            "stop_after": stop_after,
+        }
+        trainer = TorchTrainer(
+            _ray_worker,
+            train_loop_config=config,
+            torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+            scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
+            run_config=RunConfig(name="kvlingo-distill", storage_path=str(kvlingo_home() / "ray_results")),
+        )
+        trainer.fit()
+        maps = load_file(str(result_dir / "maps.safetensors"))
+        for name, value in maps.items():
+            translator.maps[name].data.copy_(value)
+        history = json.loads((result_dir / "history.json").read_text())
+        return translator, history

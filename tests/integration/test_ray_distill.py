@@ -9,10 +9,15 @@ each path. Before the fp64 sum, the paths differed by 1.4e-5 relative in train K
 another.
 """
 
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
 from tiny_configs import noisy_identity, save_tiny_model_dir
 
+import tasks.distill
 from tasks.distill import run_ray, run_single
 from infra.zoo import load_model
 from translators.stage1 import Side
@@ -44,8 +49,19 @@ def run_both_paths(tmp_path, workers=2):
     return (single, h1), (ray, h2)
 
 
-def test_two_ray_workers_match_single_process(tmp_path, kvlingo_home):
+def test_two_ray_workers_match_single_process(tmp_path, kvlingo_home, monkeypatch):
+    handovers = []
+
+    class RecordedTemporaryDirectory(tempfile.TemporaryDirectory):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            handovers.append(Path(self.name))
+
+    # Only the driver's hand-over directory is recorded: Ray's own temp dir still comes from tempfile.gettempdir.
+    monkeypatch.setattr(tasks.distill, "tempfile",
+                        SimpleNamespace(gettempdir=tempfile.gettempdir, TemporaryDirectory=RecordedTemporaryDirectory))
     (single, h1), (ray, h2) = run_both_paths(tmp_path)
+    assert len(handovers) == 1 and not handovers[0].exists()  # rank 0's maps were read back, then removed
     assert [r["step"] for r in h2 if r.get("rank", 0) == 0] == [1, 2, 3]
     assert [a["train_kl"] for a in h1] == [b["train_kl"] for b in h2]
     for name in single.maps:
