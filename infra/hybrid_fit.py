@@ -184,27 +184,27 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         distill_seconds = round(time.perf_counter() - started_distill, 1)
     per_sample = {strategy: sample_kls(source_model, source, target_model, target, val, tr)
                   for strategy, tr in translators.items()}
-    val_kl = {strategy: asdict(ValidationKL.of(*kls)) for strategy, kls in per_sample.items()}
+    val_kl = {strategy: ValidationKL.of(*kls).summary() for strategy, kls in per_sample.items()}
     # Per-conversation KL is heavy-tailed (a few recall items carry most of it), so stage 2 against its start is
     # judged on paired differences: on kvlingo-tiny-l-mla -> kvlingo-tiny-kda (30 conversations) their standard
     # error was 0.020 nats where either mean's was 0.055.
     distill_delta = None
     if "distilled" in per_sample:
         (ends, end_firsts), (starts, start_firsts) = per_sample["distilled"], per_sample[start_from]
-        distill_delta = asdict(ValidationKL.of([a - b for a, b in zip(ends, starts)],
-                                               [a - b for a, b in zip(end_firsts, start_firsts)]))
+        distill_delta = ValidationKL.of([a - b for a, b in zip(ends, starts)],
+                                        [a - b for a, b in zip(end_firsts, start_firsts)]).summary()
     base = translators[COPY] if COPY in translators else translators[start_from]
     if linear_layers(target):  # the states the corrections regress onto, under the same translated K/V as copy's
-        val_kl["native_states"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val, base,
-                                                              condition="native_states"))
-    val_kl["empty_prefix"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val, None,
-                                                         condition="empty_prefix"))
+        val_kl["native_states"] = hybrid_validation_kl(source_model, source, target_model, target, val, base,
+                                                       condition="native_states").summary()
+    val_kl["empty_prefix"] = hybrid_validation_kl(source_model, source, target_model, target, val, None,
+                                                  condition="empty_prefix").summary()
     noise_of = "distilled" if "distilled" in translators else start_from
-    val_kl["random_map"] = asdict(hybrid_validation_kl(source_model, source, target_model, target, val,
-                                                       random_like(translators[noise_of])))
+    val_kl["random_map"] = hybrid_validation_kl(source_model, source, target_model, target, val,
+                                                random_like(translators[noise_of])).summary()
     partial = [{"layers": k, "compute_fraction": compute_fraction(target_model, k),
-                "val_kl": asdict(hybrid_validation_kl(source_model, source, target_model, target, val, base,
-                                                      recompute=k))} for k in recompute]
+                "val_kl": hybrid_validation_kl(source_model, source, target_model, target, val, base,
+                                               recompute=k).summary()} for k in recompute]
     recall_rows = recall_scores(src, tgt, translators, recall) if recall > 0 else {}
     return {
         "source": source_name, "target": target_name, "ridge_state": ridge_state, "n_fit": len(fit), "n_val": len(val),

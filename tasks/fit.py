@@ -530,7 +530,7 @@ def distill(
         select = model_inputs(plan.train[len(plan.train) - n_select:])
         select_memo = ReferenceMemo()  # the selection conversations are scored once per checkpoint
         distilled, selection = best_checkpoint(distilled, closed_form, out / "checkpoints",
-                                               lambda t: validation_kl(src, tgt, select, t, memo=select_memo).mean)
+                                               lambda t: validation_kl(src, tgt, select, t, memo=select_memo))
     final = validation_kl(src, tgt, plan.val_pairs, distilled, memo=plan.val_memo)
     quality = record_quality(src, tgt, plan.val_pairs, distilled)
     summary = {**summary}
@@ -566,18 +566,23 @@ def selection_size(config: FitConfig) -> int:
     return n if n >= MIN_SELECTION else 0
 
 
-def best_checkpoint(last, closed_form, checkpoints: Path, score: Callable[[Any], float]) -> tuple[Any, dict[str, Any]]:
-    """The translator of lowest `score` among the closed form (step 0) and stage 2's saved checkpoints.
+def best_checkpoint(last, closed_form, checkpoints: Path, score: Callable[[Any], Any]) -> tuple[Any, dict[str, Any]]:
+    """The translator stage 2 returns among the closed form (step 0) and its saved checkpoints: the last step unless
+    an earlier one is better on the selection conversations beyond their noise
+    (`translators.checkpoint_selection.choose_checkpoint`).
 
     Args:
         last: the translator stage 2 ended with (a copy with the chosen checkpoint's maps is returned).
-        score: KL on the selection conversations (held out from stage 2, disjoint from validation).
+        score: a translator → its `ValidationKL` on the selection conversations (held out from stage 2, disjoint
+            from validation; `per_sample` pairs the candidates).
     Returns:
-        (translator, {"step": the chosen step, "kl": {step: score}}); ties go to the earlier step.
+        (translator, {"step": the chosen step, "kl": {step: mean KL}, "margin_se": the rule's margin}).
     """
     import copy
 
     from safetensors.torch import load_file
+
+    from translators.checkpoint_selection import MARGIN_SE, choose_checkpoint
 
     def at(step: int):
         if step == 0:
@@ -589,8 +594,8 @@ def best_checkpoint(last, closed_form, checkpoints: Path, score: Callable[[Any],
 
     steps = [0] + sorted(int(d.name.removeprefix("step_")) for d in checkpoints.glob("step_*"))
     scores = {step: score(at(step)) for step in steps}  # one candidate in memory at a time
-    chosen = min(steps, key=lambda step: scores[step])
-    return at(chosen), {"step": chosen, "kl": {str(k): v for k, v in scores.items()}}
+    chosen = choose_checkpoint({step: kl.per_sample for step, kl in scores.items()})
+    return at(chosen), {"step": chosen, "kl": {str(k): v.mean for k, v in scores.items()}, "margin_se": MARGIN_SE}
 
 
 def distill_on_ray(plan: FitPlan, closed_form, summary: dict[str, Any], *, lr: float | None = None,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -276,6 +276,8 @@ class ValidationKL:
     se: float  # standard error over samples
     first_token: float  # KL at the first continuation token only, mean over samples
     n: int
+    # Each sample's mean KL, in sample order: comparisons of two translators on the same samples pair them.
+    per_sample: tuple[float, ...] = field(default=(), repr=False)
 
     @classmethod
     def of(cls, means: Sequence[float], firsts: Sequence[float]) -> "ValidationKL":
@@ -283,7 +285,11 @@ class ValidationKL:
         n = len(means)
         mean = sum(means) / n
         var = sum((x - mean) ** 2 for x in means) / (n - 1) if n > 1 else 0.0
-        return cls(mean=mean, se=math.sqrt(var / n), first_token=sum(firsts) / n, n=n)
+        return cls(mean=mean, se=math.sqrt(var / n), first_token=sum(firsts) / n, n=n, per_sample=tuple(means))
+
+    def summary(self) -> dict[str, float | int]:
+        """mean, se, first_token and n (what run summaries record; the per-sample values stay out)."""
+        return {"mean": self.mean, "se": self.se, "first_token": self.first_token, "n": self.n}
 
 
 # What one ReferenceMemo keeps: a fit's 120 validation and 60 selection conversations on the embedded pair take about
