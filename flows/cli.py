@@ -236,6 +236,10 @@ def fit(
         console.print(f"artifact: {summary['artifact']}")
         return
     console.print(f"held-out R²: keys {summary['r2']['keys']:.3f}, values {summary['r2']['values']:.3f}")
+    if "stage2_gain" in summary:
+        gain = summary["stage2_gain"]
+        console.print(f"stage 2: distilled − closed form {gain['kl_difference']:+.4f} ± {gain['se']:.4f} nats/token "
+                      f"(paired SE; ratio {gain['ratio']:.2f}×)")
     if "val_kl_seed_sd" in summary:
         console.print(f"distilled over seeds {summary['seeds']}: {summary['val_kl']['distilled']:.4f} "
                       f"± {summary['val_kl_seed_sd']['distilled']:.4f} (seed SD)")

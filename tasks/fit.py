@@ -514,6 +514,7 @@ def distill(
     a re-run of a finished cell free).
     """
     from translators.artifact import save_translator
+    from translators.checkpoint_selection import paired_difference
     from translators.cross import validation_kl_for as validation_kl
     from translators.quality import record_quality
 
@@ -532,6 +533,10 @@ def distill(
         distilled, selection = best_checkpoint(distilled, closed_form, out / "checkpoints",
                                                lambda t: validation_kl(src, tgt, select, t, memo=select_memo))
     final = validation_kl(src, tgt, plan.val_pairs, distilled, memo=plan.val_memo)
+    # Paired on the same conversations: per-conversation KL is heavy-tailed, so either mean's SE hides how sure
+    # the gain is (the memo makes the closed form's second scoring one target pass per conversation).
+    start = validation_kl(src, tgt, plan.val_pairs, closed_form, memo=plan.val_memo)
+    gain, gain_se = paired_difference(final.per_sample, start.per_sample)
     quality = record_quality(src, tgt, plan.val_pairs, distilled)
     summary = {**summary}
     summary["quality"] = {**summary.get("quality", {}), "distilled": quality}
@@ -539,6 +544,7 @@ def distill(
     summary["val_kl_se"] = {**summary["val_kl_se"], "distilled": final.se}
     summary["first_token_kl"] = {**summary["first_token_kl"], "distilled": final.first_token}
     summary["selection"] = selection
+    summary["stage2_gain"] = {"kl_difference": gain, "se": gain_se, "ratio": final.mean / start.mean}
     summary.update(stage="distilled", steps=config.steps, lr=config.lr, seed=config.seed, history=history,
                    artifact=str(out / "distilled"), run_dir=str(out), fingerprint=fingerprint(fields))
     summary["artifacts"] = {**summary["artifacts"], "distilled": str(out / "distilled")}
@@ -649,8 +655,10 @@ def distill_seeds(plan: FitPlan, closed_form, summary: dict[str, Any]) -> dict[s
     merged["val_kl"] = {**results[0]["val_kl"], "distilled": statistics.fmean(kls)}
     merged["val_kl_seed_sd"] = {"distilled": statistics.stdev(kls)}
     merged["by_seed"] = {str(seed): {"val_kl": r["val_kl"]["distilled"], "val_kl_se": r["val_kl_se"]["distilled"],
-                                     "artifact": r["artifact"], "fingerprint": r["fingerprint"]}
+                                     "stage2_gain": r["stage2_gain"], "artifact": r["artifact"],
+                                     "fingerprint": r["fingerprint"]}
                          for seed, r in zip(seeds, results)}
+    del merged["stage2_gain"]  # one seed's paired gain beside the seed mean would read as the mean's
     return merged
 
 

@@ -154,6 +154,12 @@ def test_fit_with_stage2_adds_distilled_kl_and_steps(setup, kvlingo_home):
     summary = json.loads(result.stdout)
     assert summary["steps"] == 4 and isinstance(summary["val_kl"]["distilled"], float)
     assert {"closed_form", "empty_prefix", "random_map"} <= set(summary["val_kl"])  # stage-1 keys kept
+    # The paired gain: a mean of differences is the difference of the means (so the closed form rescored for the
+    # pairing equals its stage-1 score), and a paired SE is at most the two SEs added.
+    kl, se, gain = summary["val_kl"], summary["val_kl_se"], summary["stage2_gain"]
+    assert gain["kl_difference"] == pytest.approx(kl["distilled"] - kl["closed_form"], abs=1e-9)
+    assert gain["ratio"] == pytest.approx(kl["distilled"] / kl["closed_form"], rel=1e-9)
+    assert 0 <= gain["se"] <= se["distilled"] + se["closed_form"] + 1e-12
     assert (out / "distilled" / "manifest.json").is_file() and (out / "checkpoints" / "step_000004").is_dir()
     # Re-running the same fit resumes from the final checkpoint instead of training again.
     again = runner.invoke(app, ["fit", setup["qwen"], setup["llama"], "--config", setup["config"], "--steps", "4",

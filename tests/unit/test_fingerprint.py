@@ -144,5 +144,6 @@ def test_multiple_seeds_report_mean_and_seed_sd(setup, kvlingo_home):
     assert summary["val_kl"]["distilled"] == pytest.approx(sum(kls) / 2)
     assert summary["val_kl_seed_sd"]["distilled"] == pytest.approx(abs(kls[0] - kls[1]) / 2 ** 0.5)
     assert kls[0] != kls[1]  # the seed changes the stage-2 data order
+    assert "stage2_gain" not in summary and {"kl_difference", "se", "ratio"} <= set(summary["by_seed"]["1"]["stage2_gain"])
     bad, _ = fit(setup, "--seeds", "0,x")
     assert bad.exit_code == 2 and "--seeds must be comma-separated integers" in bad.stderr
