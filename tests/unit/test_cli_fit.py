@@ -165,6 +165,10 @@ def test_fit_with_stage2_adds_distilled_kl_and_steps(setup, kvlingo_home):
     again = runner.invoke(app, ["fit", setup["qwen"], setup["llama"], "--config", setup["config"], "--steps", "4",
                                 "--lr", "1e-3", "--output-dir", str(out), "--json"])
     assert json.loads(again.stdout)["val_kl"]["distilled"] == pytest.approx(summary["val_kl"]["distilled"], abs=1e-9)
+    table = runner.invoke(app, ["fit", setup["qwen"], setup["llama"], "--config", setup["config"], "--steps", "4",
+                                "--lr", "1e-3", "--output-dir", str(out)])
+    assert table.exit_code == 0, table.output
+    assert f"distilled − closed form {gain['kl_difference']:+.4f} ± {gain['se']:.4f}" in " ".join(table.stdout.split())
     # A different learning rate into the same directory would mix two runs: refused, naming the field.
     clash = runner.invoke(app, ["fit", setup["qwen"], setup["llama"], "--config", setup["config"], "--steps", "4",
                                 "--lr", "2e-3", "--output-dir", str(out), "--json"])
