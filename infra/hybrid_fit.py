@@ -230,36 +230,37 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
 def _distill_with_selection(start, source_model, source, target_model, target, train: list, select: list, *,
                             steps: int, lr: float, checkpoints: int = 5) -> tuple[Any, dict]:
     """Stage 2 from a copy of ``start`` on ``train``; the translator is scored on ``select`` (fit conversations
-    held out from training) at ``checkpoints`` evenly spaced steps and the lowest-KL checkpoint is kept, ``start``
-    itself (step 0) included, as `kvlingo fit` does (`tasks.hybrid_fit.distill_with_selection`): the first steps
-    of stage 2 can undo a good closed form before they improve on it.
+    held out from training) at ``checkpoints`` evenly spaced steps, and the checkpoint
+    `translators.checkpoint_selection.choose_checkpoint` picks is kept, ``start`` itself (step 0) included, as
+    `kvlingo fit` does: the last step unless an earlier one is better beyond the selection set's noise.
 
     Returns:
         (translator, {"selected_step", "selection_kl": {step: mean KL}}).
     """
     import copy
 
+    from translators.checkpoint_selection import choose_checkpoint
     from translators.hybrid import distill_hybrid, hybrid_validation_kl
 
     student = copy.deepcopy(start)
     every = max(1, steps // checkpoints)
 
-    def score(translator) -> float:
-        return hybrid_validation_kl(source_model, source, target_model, target, select, translator).mean
+    def score(translator):
+        return hybrid_validation_kl(source_model, source, target_model, target, select, translator)
 
     scores = {0: score(student)}
-    best = {"step": 0, "state": copy.deepcopy(student.state_dict())}
+    states = {0: copy.deepcopy(student.state_dict())}
 
     def checkpoint(step: int) -> None:
         if step % every == 0 or step == steps:
             scores[step] = score(student)
-            if scores[step] < scores[best["step"]]:
-                best.update(step=step, state=copy.deepcopy(student.state_dict()))
+            states[step] = copy.deepcopy(student.state_dict())
 
     distill_hybrid(student, source_model, source, target_model, target, train, steps=steps, lr=lr,
                    on_step=checkpoint)
-    student.load_state_dict(best["state"])
-    return student, {"selected_step": best["step"], "selection_kl": {str(k): v for k, v in scores.items()}}
+    chosen = choose_checkpoint({step: kl.per_sample for step, kl in scores.items()})
+    student.load_state_dict(states[chosen])
+    return student, {"selected_step": chosen, "selection_kl": {str(k): v.mean for k, v in scores.items()}}
 
 
 def _depths(text: str) -> tuple[int, ...]:

@@ -105,11 +105,16 @@ def fit_closed_forms(plan, stats: list, select: list) -> tuple[dict, dict[str, A
     return translators, scores
 
 
-def _mean_kl(plan, samples: list, translator) -> float:
+def _sample_kls(plan, samples: list, translator):
+    """`ValidationKL` of ``translator`` on ``samples`` (its `per_sample` pairs candidates scored on them)."""
     from translators.hybrid import hybrid_validation_kl
 
     src, tgt = plan.source, plan.target
-    return hybrid_validation_kl(src.model, src.layout, tgt.model, tgt.layout, samples, translator).mean
+    return hybrid_validation_kl(src.model, src.layout, tgt.model, tgt.layout, samples, translator)
+
+
+def _mean_kl(plan, samples: list, translator) -> float:
+    return _sample_kls(plan, samples, translator).mean
 
 
 def choose_closed_form(plan, translators: dict, select: list) -> tuple[str, dict[str, float]]:
@@ -125,34 +130,36 @@ def choose_closed_form(plan, translators: dict, select: list) -> tuple[str, dict
 
 def distill_with_selection(plan, closed_form, train: list, select: list) -> tuple[Any, dict[str, Any]]:
     """Stage 2 from ``closed_form`` (a copy) for config.steps steps; every eval_every steps the translator is
-    scored on ``select`` and the lowest-KL checkpoint, the closed form (step 0) included, is returned.
+    scored on ``select``, and the checkpoint `translators.checkpoint_selection.choose_checkpoint` picks is returned,
+    as `kvlingo fit` does: the last step unless an earlier one, the closed form (step 0) included, is better beyond
+    the selection set's noise. The candidates' states are kept in memory (one per eval_every steps).
 
     Raises:
         NonFiniteError: a non-finite loss (lower the learning rate).
     """
+    from translators.checkpoint_selection import MARGIN_SE, choose_checkpoint
     from translators.hybrid import distill_hybrid
 
     cfg = plan.config
     src, tgt = plan.source, plan.target
     student = copy.deepcopy(closed_form)
-    scores = {0: _mean_kl(plan, select, closed_form)} if select else {}
-    best = {"step": 0, "state": copy.deepcopy(closed_form.state_dict())}
+    scores = {0: _sample_kls(plan, select, closed_form)} if select else {}
+    states = {0: copy.deepcopy(closed_form.state_dict())}
 
     def checkpoint(step: int) -> None:
         if select and (step % cfg.eval_every == 0 or step == cfg.steps):
-            scores[step] = _mean_kl(plan, select, student)
-            if scores[step] < scores[best["step"]]:
-                best.update(step=step, state=copy.deepcopy(student.state_dict()))
+            scores[step] = _sample_kls(plan, select, student)
+            states[step] = copy.deepcopy(student.state_dict())
 
     started = time.perf_counter()
     losses = distill_hybrid(student, src.model, src.layout, tgt.model, tgt.layout, train, steps=cfg.steps, lr=cfg.lr,
                             batch=cfg.batch, seed=cfg.seed, on_step=checkpoint)
+    chosen = cfg.steps
     if select:
-        student.load_state_dict(best["state"])
-    else:
-        best["step"] = cfg.steps
-    return student, {"selected_step": best["step"], "selection_kl": {str(k): v for k, v in scores.items()},
-                     "final_loss": losses[-1], "seconds": round(time.perf_counter() - started, 1)}
+        chosen = choose_checkpoint({step: kl.per_sample for step, kl in scores.items()})
+        student.load_state_dict(states[chosen])
+    return student, {"selected_step": chosen, "selection_kl": {str(k): v.mean for k, v in scores.items()},
+                     "margin_se": MARGIN_SE, "final_loss": losses[-1], "seconds": round(time.perf_counter() - started, 1)}
 
 
 def fit_hybrid(plan) -> dict[str, Any]:

@@ -51,9 +51,11 @@ def test_distilled_beats_the_closed_form_zero_states_and_both_controls(fits):
         assert summary["hybrid"] and summary["closed_form_strategy"] in set(summary["strategies"]) - {"zero"}, summary
         assert kl["closed_form"] < 0.3 * kl["zero"], (source, kl)
         assert kl["distilled"] < 0.1 * min(kl["empty_prefix"], kl["random_map"]), (source, kl)
-        # The returned checkpoint is the best on the selection conversations, the closed form (step 0) included.
-        selection = summary["stage2"]["selection_kl"]
-        assert selection[str(summary["stage2"]["selected_step"])] == min(selection.values()), summary["stage2"]
+        # The returned checkpoint is the last step, or an earlier one (the closed form, step 0, included) that is
+        # lower on the selection conversations (by two paired SEs: translators.checkpoint_selection).
+        selection, chosen = summary["stage2"]["selection_kl"], str(summary["stage2"]["selected_step"])
+        last = max(selection, key=int)
+        assert chosen == last or selection[chosen] < selection[last], summary["stage2"]
         gains.append(kl["closed_form"] - kl["distilled"])
     assert max(gains) > 0, gains  # stage 2 moved at least one direction below its closed form
 
