@@ -564,6 +564,36 @@ def eval_command(
 
 
 @app.command()
+def attribute(
+    fit_dir: Annotated[Path, typer.Argument(help="directory of a finished `kvlingo fit` (its --output-dir or run dir)")],
+    stage: Annotated[str, typer.Option(help="closed_form | distilled")] = "distilled",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """Where a fit's remaining KL sits: for each target layer and cache object, the validation KL with that object
+    the target's own and the rest translated, on the fit's own validation conversations (pairs that share a
+    tokenizer, per-token caches: GQA, MLA, DSA)."""
+    from tasks.attribute import attribute_fit
+
+    try:
+        result = attribute_fit(fit_dir, stage)
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    base = result["translated"]
+    table = Table("layer", "native object", "KL", "removed ± paired se", "share",
+                  title=f"{result['source']} → {result['target']} ({result['stage']}): translated KL "
+                        f"{base['mean']:.4f} ± {base['se']:.4f} on {result['n_val']} validation conversations",
+                  caption="share: the fraction of the translated KL the native object removes (< 0: the translated "
+                          "maps compensate each other)")
+    for row in result["rows"]:
+        table.add_row(str(row["layer"]), row["objects"], f"{row['kl']:.4f}",
+                      f"{row['removed']:+.4f} ± {row['removed_se']:.4f}", f"{row['share']:+.0%}")
+    Console().print(table)
+
+
+@app.command()
 def report(
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
     parquet: Annotated[Path | None, typer.Option("--parquet", help="also write every table as DIR/<table>.parquet")] = None,

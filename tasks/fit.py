@@ -131,11 +131,8 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
     Raises:
         ConfigError (all problems at once), PairMismatchError (tokenizers), PrefixTooLongError, ModelUnavailableError.
     """
-    from infra.conversations import load_conversations
     from infra.pairs import same_tokenizer
-    from infra.samples import build_samples, check_prefix_lengths, split_by_conversation
     from infra.zoo import load_model, model_signature
-    from translators.objects import object_names
     from translators.stage1 import candidate_layers, default_nu
 
     preflight(config)
@@ -156,6 +153,35 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
                               f"it at its default, or use ridge for the K/V maps")
         nu = config.nu if config.nu is not None else default_nu(source.layout, target.layout)
         candidates = candidate_layers(source.layout, target.layout, config.assignment, nu)
+    config, train, val, manifest = fit_split(config, source, target)
+    signatures = {"source": model_signature(source), "target": model_signature(target)}
+    fields = fingerprint_fields(config.model_dump(mode="json"), signatures, manifest["manifest_sha256"])
+    out = Path(config.output_dir) if config.output_dir else run_dir(source.name, target.name, fingerprint(fields))
+    claim_run_dir(out, fields, resume=config.resume)
+    dump_config(config, out / "config.yaml")
+    (out / "data_manifest.json").write_text(json.dumps(manifest, indent=1))
+    tokens = None
+    if config.token_identity and not hybrid:
+        from translators.token_identity import make_token_identity
+
+        tokens = make_token_identity(config.token_identity, source.model, source.layout, target.model, config.point)
+    return FitPlan(config, source, target, train, val, candidates, nu, out, signatures, manifest, fields,
+                   token_identity=tokens, hybrid=hybrid)
+
+
+def fit_split(config: FitConfig, source, target) -> tuple[FitConfig, list, list, dict[str, Any]]:
+    """The samples of ``config`` on a loaded pair, split as the fit splits them.
+
+    Returns:
+        (config with its token-identity variant resolved, training samples, validation samples, the data manifest
+        (`infra.data_manifest.build_manifest`) of the split).
+    Raises:
+        ConfigError (the codebook across tokenizers), PairMismatchError, PrefixTooLongError.
+    """
+    from infra.conversations import load_conversations
+    from infra.pairs import same_tokenizer
+    from infra.samples import build_samples, check_prefix_lengths, split_by_conversation
+
     corpus = load_conversations(config.data, limit=config.n_train + config.n_val, seed=config.seed)
     shared_tokens = same_tokenizer(source, target)
     both_gqa = object_names(source.layout) == object_names(target.layout) == ("keys", "values")
@@ -181,20 +207,7 @@ def plan_fit(config: FitConfig, loader=None) -> FitPlan:
             raise ConfigError(f"{source.name} and {target.name} tokenize differently: {CROSS_CODEBOOK_ERROR}")
         samples = _cross_samples(config, corpus, source, target)
     train, val = split_by_conversation(samples, val_fraction=config.n_val / (config.n_train + config.n_val), seed=config.seed)
-    signatures = {"source": model_signature(source), "target": model_signature(target)}
-    manifest = build_manifest(corpus, train, val)
-    fields = fingerprint_fields(config.model_dump(mode="json"), signatures, manifest["manifest_sha256"])
-    out = Path(config.output_dir) if config.output_dir else run_dir(source.name, target.name, fingerprint(fields))
-    claim_run_dir(out, fields, resume=config.resume)
-    dump_config(config, out / "config.yaml")
-    (out / "data_manifest.json").write_text(json.dumps(manifest, indent=1))
-    tokens = None
-    if config.token_identity and not hybrid:
-        from translators.token_identity import make_token_identity
-
-        tokens = make_token_identity(config.token_identity, source.model, source.layout, target.model, config.point)
-    return FitPlan(config, source, target, train, val, candidates, nu, out, signatures, manifest, fields,
-                   token_identity=tokens, hybrid=hybrid)
+    return config, train, val, build_manifest(corpus, train, val)
 
 
 def resolve_token_identity(config: FitConfig, shared_tokens: bool, both_gqa: bool) -> str | None:
