@@ -74,6 +74,20 @@ def words(n: int, seed: int = 0) -> str:
     return " ".join(f"w{int(i)}" for i in torch.randint(0, _COMMON["vocab_size"] - 2, (n,), generator=g))
 
 
+def write_small_fit(root, seed_offset: int = 0, **config) -> tuple:
+    """A 30-document text corpus of the tiny tokenizer's words (root/docs.jsonl) and a fit config reading it with
+    small caps and 20 + 6 samples (root/fit.yaml), `config` added; returns (data path, config path)."""
+    import json
+
+    import yaml
+
+    data = root / "docs.jsonl"
+    data.write_text("\n".join(json.dumps({"text": words(120, seed=seed_offset + i)}) for i in range(30)))
+    path = root / "fit.yaml"
+    path.write_text(yaml.safe_dump({"data": str(data), "max_prefix_tokens": 40, "max_continuation_tokens": 8,
+                                    "n_train": 20, "n_val": 6, **config}))
+    return data, path
+
 def noisy_identity(layout, scale=0.3, seed=0):
     """Self-translation maps: identity plus noise, which distillation must pull back toward the identity."""
     from translators.translator import Translator

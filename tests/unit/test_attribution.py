@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-import yaml
-from tiny_configs import save_tiny_model_dir, tiny_mla_model, tiny_model, words
+from tiny_configs import save_tiny_model_dir, tiny_mla_model, tiny_model, write_small_fit
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -61,12 +60,8 @@ def fitted(tmp_path_factory):
     root = tmp_path_factory.mktemp("attribute")
     qwen = save_tiny_model_dir("qwen3", root / "qwen3")
     llama = save_tiny_model_dir("llama", root / "llama")
-    data = root / "docs.jsonl"
-    data.write_text("\n".join(json.dumps({"text": words(120, seed=i)}) for i in range(30)))
-    config = root / "fit.yaml"
-    config.write_text(yaml.safe_dump({"data": str(data), "max_prefix_tokens": 40, "max_continuation_tokens": 8,
-                                      "n_train": 20, "n_val": 6, "token_identity": "none"}))
-    return {"qwen": str(qwen), "llama": str(llama), "config": str(config), "data": data, "root": root}
+    data, config = write_small_fit(root, token_identity="none")
+    return {"qwen": str(qwen), "llama": str(llama), "config": str(config), "root": root}
 
 
 def test_attribute_reproduces_the_fits_validation_kl_and_refuses_bad_input(fitted, kvlingo_home):
@@ -98,6 +93,6 @@ def test_attribute_reproduces_the_fits_validation_kl_and_refuses_bad_input(fitte
     assert stage.exit_code == 2 and "closed_form, distilled" in stage.output
 
     # Data that changed since the fit no longer gives its split: refused before any translator is scored.
-    fitted["data"].write_text("\n".join(json.dumps({"text": words(120, seed=100 + i)}) for i in range(30)))
+    write_small_fit(fitted["root"], seed_offset=100, token_identity="none")
     stale = runner.invoke(app, ["attribute", str(out), "--stage", "closed_form"])
     assert stale.exit_code == 2 and "data manifest differs" in stale.output

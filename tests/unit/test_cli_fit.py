@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tiny_configs import save_tiny_model_dir, tiny_model, words
+from tiny_configs import save_tiny_model_dir, tiny_model, words, write_small_fit
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -18,11 +18,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("fit")
     qwen = save_tiny_model_dir("qwen3", root / "qwen3")
     llama = save_tiny_model_dir("llama", root / "llama")
-    data = root / "docs.jsonl"
-    data.write_text("\n".join(json.dumps({"text": words(120, seed=i)}) for i in range(30)))
-    config = root / "fit.yaml"
-    config.write_text(yaml.safe_dump({"data": str(data), "max_prefix_tokens": 40, "max_continuation_tokens": 8,
-                                      "n_train": 20, "n_val": 6}))
+    data, config = write_small_fit(root)
     return {"qwen": str(qwen), "llama": str(llama), "data": str(data), "config": str(config), "root": root}
 
 
