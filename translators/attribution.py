@@ -18,7 +18,7 @@ from translators.checkpoint_selection import paired_difference
 from translators.continuation import cache_logits, kl_per_position, teacher_logits
 from translators.errors import ConfigError
 from translators.inject import write_cache
-from translators.stage1 import ReferenceMemo, Side, ValidationKL
+from translators.stage1 import Side, ValidationKL
 from translators.translator import Translator
 
 ALL_OBJECTS = "all"
@@ -41,8 +41,7 @@ class Substitution:
 
 
 def layer_attribution(source: Side, target: Side, samples: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                      translator: Translator, *, memo: ReferenceMemo | None = None
-                      ) -> tuple[ValidationKL, list[Substitution]]:
+                      translator: Translator) -> tuple[ValidationKL, list[Substitution]]:
     """The translated validation KL, and one `Substitution` per (target layer, object) and per layer for all of its
     objects at once, over (prefix [n], continuation [m]) samples of a pair that shares a tokenizer.
 
@@ -53,18 +52,15 @@ def layer_attribution(source: Side, target: Side, samples: Sequence[tuple[torch.
     """
     if len(samples) < 2:
         raise ConfigError(f"layer attribution needs at least 2 samples, got {len(samples)}")
-    memo = ReferenceMemo(budget_bytes=0) if memo is None else memo
     groups = [(name,) for name in translator.objects] + ([translator.objects] if len(translator.objects) > 1 else [])
     keys = [(layer, group) for layer in range(translator.n_target_layers) for group in groups]
     base: list[float] = []
     firsts: list[float] = []
     per_key: dict[tuple, tuple[list[float], list[float]]] = {key: ([], []) for key in keys}
     with torch.no_grad():
-        for sample in samples:
-            prefix, continuation = sample
-            teacher = memo.get("teacher", sample, lambda: teacher_logits(target.model, prefix, continuation))
-            cap = memo.get(f"capture:{translator.point}", sample,
-                           lambda: capture(source.model, source.layout, prefix[:-1], translator.point))
+        for prefix, continuation in samples:
+            teacher = teacher_logits(target.model, prefix, continuation)
+            cap = capture(source.model, source.layout, prefix[:-1], translator.point)
             native = capture(target.model, target.layout, prefix[:-1], translator.point).objects
             translated = translator.translate_objects(cap.objects, cap.token_ids)
 
@@ -76,9 +72,9 @@ def layer_attribution(source: Side, target: Side, samples: Sequence[tuple[torch.
             base.append(kl.mean().item())
             firsts.append(kl[0].item())
             for layer, group in keys:
-                mixed = {name: [native[name][layer].to(rows[layer].dtype) if name in group and i == layer else row
-                                for i, row in enumerate(rows)]
-                         for name, rows in translated.items()}
+                mixed = {name: [native[name][i].to(row.dtype) if name in group and i == layer else row
+                                for i, row in enumerate(per_layer)]
+                         for name, per_layer in translated.items()}
                 kl = kl_with(mixed)
                 per_key[(layer, group)][0].append(kl.mean().item())
                 per_key[(layer, group)][1].append(kl[0].item())
