@@ -88,6 +88,7 @@ def write_small_fit(root, seed_offset: int = 0, **config) -> tuple:
                                     "n_train": 20, "n_val": 6, **config}))
     return data, path
 
+
 def noisy_identity(layout, scale=0.3, seed=0):
     """Self-translation maps: identity plus noise, which distillation must pull back toward the identity."""
     from translators.translator import Translator

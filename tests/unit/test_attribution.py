@@ -60,7 +60,7 @@ def fitted(tmp_path_factory):
     root = tmp_path_factory.mktemp("attribute")
     qwen = save_tiny_model_dir("qwen3", root / "qwen3")
     llama = save_tiny_model_dir("llama", root / "llama")
-    data, config = write_small_fit(root, token_identity="none")
+    _, config = write_small_fit(root, token_identity="none")
     return {"qwen": str(qwen), "llama": str(llama), "config": str(config), "root": root}
 
 
