@@ -193,6 +193,12 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         (ends, end_firsts), (starts, start_firsts) = per_sample["distilled"], per_sample[start_from]
         distill_delta = ValidationKL.of([a - b for a, b in zip(ends, starts)],
                                         [a - b for a, b in zip(end_firsts, start_firsts)]).summary()
+    # The correction against plain copy, paired the same way: per-build differences are small against either mean's SE.
+    corrected_minus_copy = None
+    if COPY in per_sample and CORRECTED in per_sample:
+        (corrected, corrected_firsts), (copied, copied_firsts) = per_sample[CORRECTED], per_sample[COPY]
+        corrected_minus_copy = ValidationKL.of([a - b for a, b in zip(corrected, copied)],
+                                               [a - b for a, b in zip(corrected_firsts, copied_firsts)]).summary()
     base = translators[COPY] if COPY in translators else translators[start_from]
     if linear_layers(target):  # the states the corrections regress onto, under the same translated K/V as copy's
         val_kl["native_states"] = hybrid_validation_kl(source_model, source, target_model, target, val, base,
@@ -222,6 +228,7 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
         "correction_selection": {str(k): v for k, v in selection_trace.items()},
         "distill_steps": distill_steps, "distill_lr": distill_lr, "distill_seconds": distill_seconds,
         "distill_selection": selection, "distilled_minus_start": distill_delta,
+        "corrected_minus_copy": corrected_minus_copy,
         "val_kl": val_kl, "partial_recompute": partial, "capture_seconds": round(capture_seconds, 1),
         "seconds": round(time.perf_counter() - started, 1),
     }
