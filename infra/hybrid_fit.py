@@ -188,17 +188,17 @@ def fit_report(source_name: str, target_name: str, *, n_fit: int = 200, n_val: i
     # Per-conversation KL is heavy-tailed (a few recall items carry most of it), so stage 2 against its start is
     # judged on paired differences: on kvlingo-tiny-l-mla -> kvlingo-tiny-kda (30 conversations) their standard
     # error was 0.020 nats where either mean's was 0.055.
-    distill_delta = None
-    if "distilled" in per_sample:
-        (ends, end_firsts), (starts, start_firsts) = per_sample["distilled"], per_sample[start_from]
-        distill_delta = ValidationKL.of([a - b for a, b in zip(ends, starts)],
-                                        [a - b for a, b in zip(end_firsts, start_firsts)]).summary()
+    def minus(a: str, b: str) -> dict | None:
+        """Summary of the per-conversation KL(a) − KL(b) (mean and first token), or None unless both ran."""
+        if a not in per_sample or b not in per_sample:
+            return None
+        (a_means, a_firsts), (b_means, b_firsts) = per_sample[a], per_sample[b]
+        return ValidationKL.of([x - y for x, y in zip(a_means, b_means)],
+                               [x - y for x, y in zip(a_firsts, b_firsts)]).summary()
+
+    distill_delta = minus("distilled", start_from)
     # The correction against plain copy, paired the same way: per-build differences are small against either mean's SE.
-    corrected_minus_copy = None
-    if COPY in per_sample and CORRECTED in per_sample:
-        (corrected, corrected_firsts), (copied, copied_firsts) = per_sample[CORRECTED], per_sample[COPY]
-        corrected_minus_copy = ValidationKL.of([a - b for a, b in zip(corrected, copied)],
-                                               [a - b for a, b in zip(corrected_firsts, copied_firsts)]).summary()
+    corrected_minus_copy = minus(CORRECTED, COPY)
     base = translators[COPY] if COPY in translators else translators[start_from]
     if linear_layers(target):  # the states the corrections regress onto, under the same translated K/V as copy's
         val_kl["native_states"] = hybrid_validation_kl(source_model, source, target_model, target, val, base,
