@@ -225,13 +225,11 @@ def _cross_samples(config: FitConfig, corpus, source, target) -> list:
     the target for the same text, hence half the shorter model's positions for a text window.
 
     Raises:
-        ConfigError: the attention weighting (not defined across tokenizers yet), no usable sample.
+        ConfigError: no usable sample.
         AlignmentError: a tokenizer without character offsets.
     """
     from infra.cross_samples import cross_chat_samples, cross_text_samples
 
-    if config.weighting != "uniform":
-        raise ConfigError("cross-tokenizer pairs fit with the uniform weighting only (drop --weighting attention)")
     limit = min(source.layout.max_positions, target.layout.max_positions)
     if corpus.kind != "chat":  # long documents: plain-text windows read by both models (App. K alignment)
         return cross_text_samples(corpus.items, source.tokenizer, target.tokenizer, seed=config.seed,

@@ -31,7 +31,7 @@ from translators.generation import Decoded, GenerationSettings, decode_from
 from translators.gram import GramStats
 from translators.layout import CacheLayout, decoder_of
 from translators.objects import CacheObject, cache_objects, engine_tensor, fill_cache_layer, object_inputs, same_kinds
-from translators.stage1 import ReferenceMemo, Side, ValidationKL, accumulate_pair, validation_kl
+from translators.stage1 import WEIGHTINGS, ReferenceMemo, Side, ValidationKL, accumulate_pair, attention_weights, validation_kl
 from translators.translator import Translator, source_features
 
 PREFILL = "prefill"
@@ -138,6 +138,41 @@ def group_mean_targets(rows: torch.Tensor, target_group: torch.Tensor, source_gr
     return (sums / counts[:, None])[source_group]
 
 
+def group_attention_weights(per_target: torch.Tensor, target_group: torch.Tensor, source_group: torch.Tensor
+                            ) -> torch.Tensor:
+    """App. O's weights for the regression rows of a cross-tokenizer sample.
+
+    A group of p source and q target tokens is one stretch of text; its p rows all regress onto the group's mean
+    target row, so together they stand for its q target tokens and carry the attention mass those receive, split
+    evenly between them. In a 1:1 group a row's weight is its target token's own ā_j; summed over the rows, the
+    weights are the mass on the content tokens (boilerplate is prefilled by the target, so it has no row).
+
+    Args:
+        per_target: [q] ā_j of the target prefix tokens (`translators.stage1.attention_weights`).
+        target_group: [q] group per target token, -1 for boilerplate.
+        source_group: [k] group per translated source token.
+    Returns:
+        [k] non-negative weights, in the dtype of `per_target`.
+    """
+    content = target_group >= 0
+    n_groups = int(target_group.max()) + 1 if bool(content.any()) else 0
+    mass = per_target.new_zeros(n_groups).index_add_(0, target_group[content], per_target[content])
+    rows = torch.bincount(source_group, minlength=n_groups).to(per_target.dtype).clamp_min(1)
+    return (mass / rows)[source_group]
+
+
+def cross_attention_weights(target: Side, sample: CrossSample) -> torch.Tensor:
+    """[k] App. O's weight of each translated source token: the attention the target's continuation queries pay to
+    its group's target tokens when the target reads its own rendering (`group_attention_weights`).
+
+    Raises:
+        ConfigError: a zero-length continuation (no queries to weight by).
+    """
+    _check_continuation(sample)
+    return group_attention_weights(attention_weights(target, sample.target_ids, sample.continuation_ids),
+                                   sample.target_group, sample.source_group)
+
+
 CROSS_CODEBOOK_ERROR = ("token identity 'codebook' decodes the source's own token ids, which do not index the "
                         "target's embedding across tokenizers: use --token-identity ids (the target's ids of the "
                         "aligned tokens) or none")
@@ -162,16 +197,22 @@ def accumulate_cross(
     objects: tuple[CacheObject, ...] | None = None,
     on_sample: Callable[[int], None] | None = None,
     token_identity=None,
+    weighting: str = "uniform",
 ) -> dict[str, GramStats]:
     """Add paired statistics of each sample's aligned tokens to `stats` (in place): the source's capture of each
     translated token against the mean of its group's target captures (App. K, "Initialising the translators").
 
     token_identity: a `translators.token_identity.TokenIdentity` of the `ids` variant: the target's embedding of
         each translated token's aligned target id (`aligned_token_ids`) is appended, as the translator will.
+    weighting: "uniform" (every translated token counts once) or "attention" (App. O: each row weighted by the
+        attention its group receives from the target's continuation queries, `cross_attention_weights`).
 
     Raises:
+        ConfigError: unknown weighting; the attention weighting on a sample without a continuation.
         NonFiniteError: a capture holds NaN/Inf.
     """
+    if weighting not in WEIGHTINGS:
+        raise ConfigError(f"unknown weighting {weighting!r}; choose from {', '.join(WEIGHTINGS)}")
     objects = cache_objects(target.layout) if objects is None else objects
     inputs = object_inputs(source.layout, target.layout, tuple(obj.name for obj in objects))
     source_objects = objects if same_kinds(source.layout, target.layout) else None  # None: the source's own
@@ -184,11 +225,12 @@ def accumulate_cross(
             src.check_finite("source")
             tgt.check_finite("target")
             tokens = token_identity.embed(aligned_token_ids(sample)) if token_identity is not None else None
+            weights = cross_attention_weights(target, sample) if weighting == "attention" else None
             for obj in objects:
                 xs = [source_features(src.objects, inputs[obj.name], s)[sample.translated]
                       for s in range(source.layout.n_layers)]
                 ys = [group_mean_targets(y, sample.target_group, sample.source_group) for y in tgt.objects[obj.name]]
-                stats[obj.name].accumulate(xs, ys, None, tokens)
+                stats[obj.name].accumulate(xs, ys, weights, tokens)
             if on_sample:
                 on_sample(sample.target_ids.numel())
     return stats
@@ -378,17 +420,14 @@ def accumulate_samples(
         aligned target ids, `aligned_token_ids`).
 
     Raises:
-        ConfigError: the attention weighting or the codebook on cross-tokenizer samples (the weights are per
-            target position, the regression rows per translated source token; the codebook decodes the source's
-            own vocabulary, which does not index the target's embedding).
+        ConfigError: the codebook on cross-tokenizer samples (it decodes the source's own vocabulary, which does
+            not index the target's embedding).
     """
     if samples and isinstance(samples[0], CrossSample):
-        if weighting != "uniform":
-            raise ConfigError("cross-tokenizer pairs fit with the uniform weighting only (drop --weighting attention)")
         if token_identity is not None and token_identity.variant != "ids":
             raise ConfigError(CROSS_CODEBOOK_ERROR)
         return accumulate_cross(stats, source, target, samples, point, on_sample=on_sample,
-                                token_identity=token_identity)
+                                token_identity=token_identity, weighting=weighting)
     return accumulate_pair(stats, source, target, samples, point, weighting=weighting, on_sample=on_sample,
                            token_identity=token_identity)
 

@@ -26,6 +26,7 @@ from translators.cross import (
     accumulate_cross,
     accumulate_samples,
     cross_sample_loss,
+    group_attention_weights,
     cross_validation_kl,
     source_capture,
     student_hidden_cross,
@@ -40,6 +41,7 @@ from translators.stage1 import (
     Side,
     assign_layers,
     candidate_layers,
+    attention_weights,
     empty_stats,
     matched_attention_types,
     solve_translator,
@@ -315,6 +317,57 @@ def test_stage1_maps_equal_lstsq_on_explicit_design_matrices(samples_ab, llama_a
             assert (x.T @ residual).abs().max() < 1e-3 * (x.T @ y).abs().max()
 
 
+def test_group_weights_give_each_group_its_target_mass_split_over_its_source_rows():
+    # Groups: 0 = one target token ↔ one source token, 1 = two target ↔ three source, 2 = three target ↔ one source;
+    # boilerplate (-1) before, between and at the end receives attention but has no row.
+    target_group = torch.tensor([-1, 0, 1, 1, -1, 2, 2, 2, -1])
+    source_group = torch.tensor([0, 1, 1, 1, 2])
+    per_target = torch.tensor([0.30, 0.05, 0.02, 0.04, 0.10, 0.01, 0.06, 0.03, 0.20], dtype=torch.float64)
+    weights = group_attention_weights(per_target, target_group, source_group)
+    expected = torch.tensor([0.05, 0.02, 0.02, 0.02, 0.10], dtype=torch.float64)
+    torch.testing.assert_close(weights, expected, rtol=0, atol=1e-15)
+    # Every group's rows carry exactly its target tokens' mass; boilerplate's mass goes to no row.
+    assert weights.sum().item() == pytest.approx(per_target[target_group >= 0].sum().item(), abs=1e-15)
+
+
+def test_attention_weighted_stage1_equals_weighted_lstsq(samples_ab, llama_a, gemma_b):
+    """App. O across tokenizers: each row of the regression is weighted by its group's share of the attention the
+    target's continuation queries pay to the group's target tokens; the maps equal a weighted least-squares solve
+    on explicit design matrices (rows scaled by √w), with the group rule written out here token by token."""
+    src, tgt = llama_a, gemma_b
+    candidates = candidate_layers(src.layout, tgt.layout, "depth", 1)
+    stats = accumulate_cross(empty_stats(src.layout, tgt.layout, candidates), src, tgt, samples_ab, "pre_norm",
+                             weighting="attention")
+    translator = solve_translator(stats, {"keys": candidates, "values": candidates}, src.layout, tgt.layout,
+                                  "pre_norm", ridge=0.0)
+    uniform = solve_translator(
+        accumulate_cross(empty_stats(src.layout, tgt.layout, candidates), src, tgt, samples_ab, "pre_norm"),
+        {"keys": candidates, "values": candidates}, src.layout, tgt.layout, "pre_norm", ridge=0.0)
+    x_rows, y_rows, w_rows = {}, {}, []
+    for sample in samples_ab:
+        a = attention_weights(tgt, sample.target_ids, sample.continuation_ids).double()  # [q]
+        tg, sg = sample.target_group.tolist(), sample.source_group.tolist()
+        for g in sg:
+            w_rows.append(sum(a[j].item() for j in range(len(tg)) if tg[j] == g) / sg.count(g))
+        xs = capture(src.model, src.layout, sample.source_ids, "pre_norm")
+        ys = capture(tgt.model, tgt.layout, sample.target_ids, "pre_norm")
+        for name in ("keys", "values"):
+            for t, (s,) in candidates.items():
+                x_rows.setdefault((name, t), []).append(xs.objects[name][s][sample.translated].double())
+                means = [torch.stack([ys.objects[name][t][j].double() for j in range(len(tg)) if tg[j] == g]).mean(0)
+                         for g in sg]
+                y_rows.setdefault((name, t), []).append(torch.stack(means))
+    root_w = torch.tensor(w_rows, dtype=torch.float64).sqrt()[:, None]
+    assert (root_w > 0).all()
+    for (name, t), xs in x_rows.items():
+        x, y = torch.cat(xs), torch.cat(y_rows[(name, t)])
+        reference = torch.linalg.lstsq(root_w * x, root_w * y, driver="gelsd").solution.T
+        weight = translator.weight(name, t).detach().double()
+        torch.testing.assert_close(weight, reference, atol=1e-4 * reference.abs().max().item(), rtol=1e-4)
+        # The weighting moves the maps: it is not the uniform solve under another name.
+        assert (weight - uniform.weight(name, t).detach().double()).abs().max() > 1e-3 * reference.abs().max()
+
+
 # ------------------------------------------------------------------------------ 4. stage 2 through mixed caches
 
 
@@ -424,8 +477,12 @@ def test_bad_samples_and_calls_are_refused(samples_ab, llama_a, gemma_b):
                     good.source_group, content_last, good.conversation)
     candidates = candidate_layers(llama_a.layout, gemma_b.layout, "depth", 1)
     stats = empty_stats(llama_a.layout, gemma_b.layout, candidates)
-    with pytest.raises(ConfigError, match="uniform"):
-        accumulate_samples(stats, llama_a, gemma_b, samples_ab, "pre_norm", weighting="attention")
+    with pytest.raises(ConfigError, match="unknown weighting 'fisher'; choose from uniform, attention"):
+        accumulate_samples(stats, llama_a, gemma_b, samples_ab, "pre_norm", weighting="fisher")
+    no_continuation = CrossSample(good.source_ids, good.target_ids, good.continuation_ids[:0], good.translated,
+                                  good.positions, good.source_group, good.target_group, good.conversation)
+    with pytest.raises(ConfigError, match="zero-length continuation"):
+        accumulate_samples(stats, llama_a, gemma_b, [no_continuation], "pre_norm", weighting="attention")
     with pytest.raises(ConfigError, match="translated condition needs a translator"):
         cross_validation_kl(llama_a, gemma_b, samples_ab, None, condition="translated")
     with pytest.raises(ConfigError, match="boilerplate_only"):
