@@ -31,7 +31,9 @@ from translators.generation import Decoded, GenerationSettings, decode_from
 from translators.gram import GramStats
 from translators.layout import CacheLayout, decoder_of
 from translators.objects import CacheObject, cache_objects, engine_tensor, fill_cache_layer, object_inputs, same_kinds
-from translators.stage1 import WEIGHTINGS, ReferenceMemo, Side, ValidationKL, accumulate_pair, attention_weights, validation_kl
+from translators.stage1 import (
+    WEIGHTINGS, ReferenceMemo, Side, ValidationKL, accumulate_pair, attention_weights, validation_kl,
+)
 from translators.translator import Translator, source_features
 
 PREFILL = "prefill"
