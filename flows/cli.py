@@ -165,7 +165,8 @@ def fit(
     token_identity: Annotated[str | None, typer.Option(help="append the target's embedding of each token id to the "
                               "maps' input: auto (the default: codebook for a same-tokenizer pair of GQA caches) | codebook (ids decoded "
                               "from the source's layer-0 cache) | ids | none")] = None,
-    data: Annotated[str | None, typer.Option(help="'embedded[:N]', a local json/jsonl file or a HF dataset id")] = None,
+    data: Annotated[list[str] | None, typer.Option(help="'embedded[:N]', a local json/jsonl file or a HF dataset id; "
+                    "repeat it for a mixture (one item from each source in turn)")] = None,
     n_train: Annotated[int | None, typer.Option(help="training samples")] = None,
     stats_samples: Annotated[int | None, typer.Option(help="stage 1 reads the first N training samples (default: "
                              "the config's)")] = None,

@@ -26,7 +26,9 @@ class FitConfig(BaseModel):
     # each about once: 400 steps × 8) and stage 1 on the first 600 of them, validation KL closed form → distilled was
     # 0.163 → 0.047 (0.29×) tiny-l→tiny-s and 0.122 → 0.037 (0.30×) tiny-s→tiny-l. Stage 2 overfits 600 conversations
     # (0.70× / 0.57× at ν = 1), and the closed form does not gain from more than 600 (0.155 vs 0.159 with all 3200).
-    data: str = Field("embedded:3320", description="'embedded[:N]', a local json/jsonl file, or a HF dataset id")
+    data: str | list[str] = Field(
+        "embedded:3320", description="'embedded[:N]', a local json/jsonl file, a HF dataset id, or a list of these (a "
+        "mixture: one item from each in turn)")
     n_train: int = Field(3200, ge=1, description="training samples (one per conversation)")
     stats_samples: int | None = Field(
         600, ge=1, description="stage 1 reads the first N training samples (None: all); stage 2 reads all of them")
@@ -89,6 +91,25 @@ class FitConfig(BaseModel):
                          "one is refused, naming the fields); False starts over and replaces the directory's run")
     seeds: list[int] | None = Field(None, min_length=1, description="stage-2 seeds (one distillation each from the "
                                     "same closed form); default [seed]")
+
+    @field_validator("data")
+    @classmethod
+    def _a_list_is_a_mixture(cls, value: str | list[str]) -> str | list[str]:
+        """A list names a mixture of at least two distinct sources; a one-item list is that source.
+
+        Raises:
+            ValueError: reported by `load_config` as a ConfigError.
+        """
+        if isinstance(value, str):
+            return value
+        if len(value) == 1:
+            return value[0]
+        from infra.conversations import mixture_problem
+
+        problem = mixture_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @field_validator("token_identity", mode="before")
     @classmethod

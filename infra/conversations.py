@@ -9,10 +9,16 @@
   - ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI / HF chat style);
   - ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`` (ShareGPT style);
   - ``{"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ..."}`` (Anthropic hh-rlhf transcripts);
+  - ``{"question": "...", "answer": "..."}`` (single-turn Q&A files such as GSM8K's): the question as the user
+    turn, the answer as the assistant turn;
   - ``{"text": "..."}`` -- plain text. A ``.json`` file may also be one such object (RULER's
     ``PaulGrahamEssays.json``). Long texts are cut into documents of about ``text_chunk_chars``
     characters at blank lines, so that many windows can be drawn from a single essay collection.
 
+* a list of such sources -- a mixture: their items interleaved one from each source in turn (so every
+  prefix of the mixture, and so any ``limit``, holds each source about equally), until ``limit`` items. The sources
+  must all be chat or all plain text. Fitting on chat alone leaves rare tokens such as digits badly translated;
+  mixing in a numeric Q&A file fixes that for copying codes (README, "Cross-tokenizer pairs").
 * a Hugging Face dataset id ``org/name`` with an optional ``:split`` -- for example
   ``nvidia/Nemotron-SFT-Instruction-Following-Chat-v2`` -- loaded with ``datasets.load_dataset``.
   With ``HF_DATASETS_OFFLINE=1`` (the platform default) only a dataset already in the local cache loads.
@@ -50,7 +56,8 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
                    "system": "system"}
 _FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
 _SUPPORTED_SHAPES = ('{"messages": [{"role", "content"}, ...]}', '{"conversations": [{"from", "value"}, ...]}',
-                     '{"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ..."}', '{"text": "..."}')
+                     '{"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ..."}', '{"question": ..., "answer": ...}',
+                     '{"text": "..."}')
 # `org/name` (hub naming rules: letters, digits, '-', '_', '.'), optionally `:split`.
 _HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<split>[\w.-]+))?$")
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -71,7 +78,8 @@ class Corpus:
         kind: ``"chat"`` (items are :data:`Conversation` lists) or ``"text"`` (items are
             :class:`TextDocument`).
         items: the conversations or documents, in source order.
-        name: the source string it came from (for logs and run records).
+        name: the source it came from (for logs); for a mixture its sources joined by " + ".
+        source: what reloads it with :func:`load_conversations`: the source string, or the list of a mixture.
         dropped: chat conversations left out because they had no non-empty assistant turn (or an
             unknown role); always 0 for text.
     """
@@ -80,6 +88,11 @@ class Corpus:
     items: tuple
     name: str
     dropped: int = 0
+    source: str | list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.source is None:
+            object.__setattr__(self, "source", self.name)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -88,12 +101,13 @@ class Corpus:
 # --- Entry point --------------------------------------------------------------------------------
 
 
-def load_conversations(source: str, *, limit: int | None = None, seed: int = 0,
+def load_conversations(source: str | list[str], *, limit: int | None = None, seed: int = 0,
                        text_chunk_chars: int = DEFAULT_TEXT_CHUNK_CHARS) -> Corpus:
     """Load a conversation or text corpus from ``source`` (see the module docstring for the forms).
 
     Args:
-        source: ``"embedded"``, ``"embedded:N"``, a local file path, or a hub id ``org/name[:split]``.
+        source: ``"embedded"``, ``"embedded:N"``, a local file path, a hub id ``org/name[:split]``, or a list of
+            these (a mixture).
         limit: keep at most this many items (the first ones, in source order); ``None`` keeps all.
         seed: seed of the embedded generator (files and hub datasets are read in order, so it does
             not affect them).
@@ -104,10 +118,13 @@ def load_conversations(source: str, *, limit: int | None = None, seed: int = 0,
 
     Raises:
         ConfigError: unknown source, missing file, unsupported record shape, hub dataset not
-            available offline, bad ``limit``/``text_chunk_chars``, or nothing usable in the source.
+            available offline, bad ``limit``/``text_chunk_chars``, nothing usable in the source, or a mixture
+            of chat and plain-text sources.
     """
     _check_positive("limit", limit, allow_none=True)
     _check_positive("text_chunk_chars", text_chunk_chars)
+    if isinstance(source, (list, tuple)):
+        return _mixture(list(source), limit, seed, text_chunk_chars)
     if not isinstance(source, str) or not source.strip():
         raise ConfigError(f"conversation source must be a non-empty string, got {source!r}; use 'embedded', "
                           f"a .jsonl/.json(.gz) file, or a hub dataset id such as {DEFAULT_HUB_DATASET!r}")
@@ -137,12 +154,24 @@ def load_conversations(source: str, *, limit: int | None = None, seed: int = 0,
     return corpus
 
 
-def check_source(source: str) -> None:
-    """Cheap pre-flight check of a source's form (no reading): embedded, an existing file, or a hub id.
+def check_source(source: str | list[str]) -> None:
+    """Cheap pre-flight check of a source's form (no reading): embedded, an existing file, or a hub id; for a
+    mixture, each of its sources.
 
     Raises:
-        ConfigError: the same messages `load_conversations` gives for a malformed or missing source.
+        ConfigError: the same messages `load_conversations` gives for a malformed or missing source (for a mixture,
+            every bad source at once).
     """
+    if isinstance(source, (list, tuple)):
+        problems = [problem] if (problem := mixture_problem(list(source))) else []
+        for part in source:
+            try:
+                check_source(part)
+            except ConfigError as err:
+                problems.append(str(err))
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return
     if not isinstance(source, str) or not source.strip():
         raise ConfigError(f"conversation source must be a non-empty string, got {source!r}")
     source = source.strip()
@@ -161,6 +190,45 @@ def _check_positive(name: str, value: Any, *, allow_none: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
+
+
+# --- Mixtures -----------------------------------------------------------------------------------
+
+
+def mixture_problem(sources: list) -> str | None:
+    """Why a list is not a mixture (fewer than two sources, or one named twice), or None."""
+    if len(sources) < 2:
+        return f"a mixture needs at least two sources, got {sources!r}; pass a single source as a string"
+    repeated = sorted({s for s in sources if sources.count(s) > 1}, key=str)
+    if repeated:
+        return f"a mixture names {', '.join(map(repr, repeated))} more than once; name each source once"
+    return None
+
+
+def _mixture(sources: list, limit: int | None, seed: int, text_chunk_chars: int) -> Corpus:
+    """Each source loaded (up to ``limit`` items), then interleaved one item per source in turn until ``limit``.
+
+    Round-robin rather than a random draw: the first n items of the mixture are the same whatever ``limit`` is, so
+    a larger fit extends a smaller one's data instead of redrawing it.
+
+    Raises:
+        ConfigError: not a list of at least two distinct sources, a source's own error (naming the source), or
+            chat and plain-text sources mixed.
+    """
+    problem = mixture_problem(sources)
+    if problem:
+        raise ConfigError(problem)
+    parts = [load_conversations(part, limit=limit, seed=seed, text_chunk_chars=text_chunk_chars) for part in sources]
+    kinds = {part.kind for part in parts}
+    if len(kinds) > 1:
+        raise ConfigError("a mixture must be all chat or all plain text: "
+                          + ", ".join(f"{part.name!r} is {part.kind}" for part in parts))
+    items = []
+    for index in range(max(len(part) for part in parts)):
+        items.extend(part.items[index] for part in parts if index < len(part))
+    items = items[:limit] if limit is not None else items
+    return Corpus(kind=parts[0].kind, items=tuple(items), name=" + ".join(part.name for part in parts),
+                  dropped=sum(part.dropped for part in parts), source=[part.name for part in parts])
 
 
 # --- Embedded -----------------------------------------------------------------------------------
@@ -224,6 +292,8 @@ def _record_shape(record: Any) -> str:
         for key in ("messages", "conversations", "chosen", "text"):
             if key in record:
                 return key
+        if "question" in record and "answer" in record:
+            return "question"
         found = f"keys {sorted(record)!r}"
     else:
         found = f"a JSON {type(record).__name__}, not an object"
@@ -240,6 +310,9 @@ def _from_records(records: Iterable[Any], name: str, limit: int | None, text_chu
     everything = _chain(first, records)
     if shape == "text":
         return _text_corpus((_field(r, "text", i) for i, r in enumerate(everything)), name, limit, text_chunk_chars)
+    if shape == "question":
+        return _chat_corpus((_parse_qa(_field(r, "question", i), _field(r, "answer", i)) for i, r in enumerate(everything)),
+                            name, limit)
     parse = {"messages": _parse_messages, "conversations": _parse_sharegpt, "chosen": _parse_hh}[shape]
     return _chat_corpus((parse(_field(r, shape, i)) for i, r in enumerate(everything)), name, limit)
 
@@ -283,6 +356,13 @@ def _parse_sharegpt(turns: Any) -> Conversation | None:
         return None
     return _parse_messages([{"role": _SHAREGPT_ROLES.get(str(t.get("from")).lower()), "content": t.get("value")}
                             for t in turns])
+
+
+def _parse_qa(question: Any, answer: Any) -> Conversation | None:
+    """A single-turn Q&A record -> [user question, assistant answer]; None unless both are strings."""
+    if not isinstance(question, str) or not isinstance(answer, str):
+        return None
+    return [{"role": "user", "content": question.strip()}, {"role": "assistant", "content": answer.strip()}]
 
 
 def _parse_hh(transcript: Any) -> Conversation | None:

@@ -36,7 +36,7 @@ def build_manifest(corpus: Corpus, train: Sequence[Any], val: Sequence[Any]) -> 
     train_items = [item_sha256(corpus.items[i]) for i in _conversations(train)]
     val_items = [item_sha256(corpus.items[i]) for i in _conversations(val)]
     manifest = {
-        "source": corpus.name,
+        "source": corpus.source,
         "kind": corpus.kind,
         "train": train_items,
         "val": val_items,

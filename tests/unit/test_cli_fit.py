@@ -188,3 +188,27 @@ def test_stats_samples_limits_stage_one_to_the_first_training_samples(setup, kvl
                           "--output-dir", str(setup["root"] / "firstall")).stdout)
     assert same["val_kl"]["closed_form"] == every["val_kl"]["closed_form"]
     assert same["train_tokens"] == every["train_tokens"]
+
+
+def test_repeated_data_is_a_mixture_recorded_in_config_and_manifest(setup, kvlingo_home, tmp_path):
+    import json as _json
+
+    from tiny_configs import words
+
+    other = tmp_path / "more.jsonl"
+    other.write_text("\n".join(_json.dumps({"text": words(120, seed=100 + i)}) for i in range(30)))
+    out = tmp_path / "mix"
+    result = fit(setup, setup["qwen"], setup["qwen"], "--data", setup["data"], "--data", str(other),
+                 "--output-dir", str(out))
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((out / "config.yaml").read_text())["data"] == [setup["data"], str(other)]
+    manifest = json.loads((out / "data_manifest.json").read_text())
+    assert manifest["source"] == [setup["data"], str(other)]
+    # 26 documents, alternately from each file: 13 of each, split between training and validation.
+    assert len(manifest["train"]) + len(manifest["val"]) == 26
+
+
+def test_a_bad_mixture_is_refused_before_any_model_loads(setup):
+    result = fit(setup, "no-such-model", "no-such-model", "--data", setup["data"], "--data", setup["data"])
+    assert result.exit_code == 2
+    assert "a mixture names" in result.output and "more than once" in result.output

@@ -4,6 +4,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from infra.conversations import Corpus, TextDocument, load_conversations, split_text
 from translators.errors import ConfigError
@@ -105,10 +106,74 @@ def test_split_text_cuts_paragraphs_without_blank_lines():
 
 
 def test_unknown_record_shape_names_keys_and_supported_shapes(tmp_path):
-    write_jsonl(tmp_path / "q.jsonl", [{"question": "q", "answer": "a"}])
-    with pytest.raises(ConfigError, match=r"unknown record shape: found keys \['answer', 'question'\].*messages.*"
-                                          r"conversations.*chosen.*text"):
+    write_jsonl(tmp_path / "q.jsonl", [{"prompt": "q", "completion": "a"}])
+    with pytest.raises(ConfigError, match=r"unknown record shape: found keys \['completion', 'prompt'\].*messages.*"
+                                          r"conversations.*chosen.*question.*answer.*text"):
         load_conversations(str(tmp_path / "q.jsonl"))
+
+
+def test_question_answer_records_are_single_turn_chats(tmp_path):
+    records = [{"question": " What is 2+3? ", "answer": "2+3=5\n#### 5", "extra": 1},
+               {"question": "No answer text?", "answer": None}]
+    corpus = load_conversations(str(write_jsonl(tmp_path / "qa.jsonl", records)))
+    assert corpus.items == ([{"role": "user", "content": "What is 2+3?"},
+                             {"role": "assistant", "content": "2+3=5\n#### 5"}],)
+    assert corpus.dropped == 1
+
+
+def _qa_file(tmp_path, name, n):
+    return str(write_jsonl(tmp_path / name, [{"question": f"{name} q{i}", "answer": f"{name} a{i}"} for i in range(n)]))
+
+
+def test_a_mixture_interleaves_its_sources_and_reloads_from_its_manifest(tmp_path):
+    from infra.data_manifest import build_manifest, conversations_from_manifest
+    from infra.samples import Sample
+
+    a, b = _qa_file(tmp_path, "a.jsonl", 5), _qa_file(tmp_path, "b.jsonl", 2)
+    corpus = load_conversations([a, b])
+    questions = [c[0]["content"] for c in corpus.items]
+    # One from each in turn; the shorter source runs out and the longer one continues alone.
+    assert questions == ["a.jsonl q0", "b.jsonl q0", "a.jsonl q1", "b.jsonl q1", "a.jsonl q2", "a.jsonl q3",
+                         "a.jsonl q4"]
+    assert corpus.kind == "chat" and corpus.source == [a, b] and corpus.name == f"{a} + {b}"
+    # A limit keeps the mixture's first items: each source about equally, and a prefix of any larger limit.
+    limited = load_conversations([a, b], limit=3)
+    assert limited.items == corpus.items[:3]
+    # The manifest records the list, and the same split comes back from it.
+    ids = torch.tensor([1, 2])
+    train = [Sample(prefix_ids=ids, continuation_ids=ids, conversation=i) for i in (0, 1, 2)]
+    val = [Sample(prefix_ids=ids, continuation_ids=ids, conversation=4)]
+    manifest = build_manifest(corpus, train, val)
+    assert manifest["source"] == [a, b]
+    rebuilt = conversations_from_manifest(manifest)
+    assert rebuilt["train"] == list(corpus.items[:3]) and rebuilt["val"] == [corpus.items[4]]
+
+
+def test_bad_mixtures_are_config_errors_naming_the_problem(tmp_path):
+    from infra.conversations import check_source
+
+    a = _qa_file(tmp_path, "a.jsonl", 2)
+    (tmp_path / "t.json").write_text(json.dumps({"text": "some plain text " * 20}))
+    with pytest.raises(ConfigError, match=r"all chat or all plain text: .*a.jsonl' is chat, .*t.json' is text"):
+        load_conversations([a, str(tmp_path / "t.json")])
+    with pytest.raises(ConfigError, match="names .*a.jsonl' more than once"):
+        load_conversations([a, a])
+    with pytest.raises(ConfigError, match="at least two sources"):
+        load_conversations([a])
+    # Every bad source of a mixture at once, before anything is read.
+    with pytest.raises(ConfigError, match=r"'missing1.jsonl' is not .*; conversation source 'missing2.jsonl' is not"):
+        check_source([a, "missing1.jsonl", "missing2.jsonl"])
+    check_source([a, "embedded:10"])
+
+
+def test_fit_config_takes_a_mixture_as_a_list(tmp_path):
+    from infra.config import FitConfig, load_config
+
+    assert load_config(FitConfig, None, {"source": "s", "target": "t", "data": ["embedded:10"]}).data == "embedded:10"
+    both = ["embedded:10", "x.jsonl"]
+    assert load_config(FitConfig, None, {"source": "s", "target": "t", "data": both}).data == both
+    with pytest.raises(ConfigError, match="more than once"):
+        load_config(FitConfig, None, {"source": "s", "target": "t", "data": ["x.jsonl", "x.jsonl"]})
 
 
 def test_mixed_record_shapes_are_rejected(tmp_path):
@@ -187,6 +252,16 @@ def test_real_hh_rlhf_file(shared_data):
         assert any(m["role"] == "assistant" and m["content"] for m in conversation)
         # (A few answers quote "Human:" themselves; only the "\n\nSpeaker:" separators must be gone.)
         assert not any("\n\nHuman:" in m["content"] or "\n\nAssistant:" in m["content"] for m in conversation)
+
+
+def test_real_chat_and_gsm8k_mixture(shared_data):
+    hh, gsm8k = str(shared_data / "chat" / "hh-rlhf-harmless-base.test.jsonl.gz"), str(shared_data / "gsm8k" / "test.jsonl")
+    corpus = load_conversations([hh, gsm8k], limit=40)
+    assert len(corpus.items) == 40 and corpus.kind == "chat"
+    # Every second item is a GSM8K problem: one user question, one answer ending in "#### <number>".
+    for conversation in corpus.items[1::2]:
+        assert [m["role"] for m in conversation] == ["user", "assistant"]
+        assert conversation[1]["content"].split("####")[-1].strip().replace(",", "").lstrip("-").isdigit()
 
 
 def test_real_paul_graham_essays_give_many_documents(shared_data):
