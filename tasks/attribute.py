@@ -43,15 +43,14 @@ def attribute_fit(fit_dir: Path, stage: str = "distilled", loader=None) -> dict[
         {"source", "target", "stage", "fit_dir", "n_val", "translated": {mean, se, first_token, n},
          "rows": [{layer, objects, kl, removed, removed_se, share}], "wall_s"}.
     Raises:
-        ConfigError: see `check_fit_dir`; a hybrid (linear-attention) or cross-tokenizer pair (not supported:
-            their caches mix translated objects with states or the target's own boilerplate); data that no
-            longer gives the fit's split.
+        ConfigError: see `check_fit_dir`; a hybrid (linear-attention) pair (not supported: its caches mix
+            translated objects with states); data that no longer gives the fit's split.
         PairMismatchError, ArtifactError: the artifact does not belong to the pair (`infra.pairs.load_for_pair`).
     """
     from infra.pairs import load_for_pair, same_tokenizer
     from infra.zoo import load_model
     from tasks.fit import fit_split, model_inputs
-    from translators.attribution import layer_attribution
+    from translators.attribution import cross_layer_attribution, layer_attribution
     from translators.layout import is_hybrid
     from translators.stage1 import Side
 
@@ -62,17 +61,17 @@ def attribute_fit(fit_dir: Path, stage: str = "distilled", loader=None) -> dict[
     if is_hybrid(source.layout) or is_hybrid(target.layout):
         raise ConfigError(f"{source.name} → {target.name} has linear-attention layers: layer attribution covers "
                           "per-token caches (GQA, MLA, DSA) only")
-    if not same_tokenizer(source, target):
-        raise ConfigError(f"{source.name} and {target.name} tokenize differently: layer attribution needs a pair "
-                          "that shares a tokenizer")
     _, _, val, manifest = fit_split(config, source, target)
     saved = json.loads((fit_dir / "data_manifest.json").read_text())
     if saved.get("manifest_sha256") != manifest["manifest_sha256"]:
         raise ConfigError(f"the data of {config.data!r} no longer gives the split {fit_dir} was fitted on (data "
                           "manifest differs): attribute a fresh fit")
     translator = load_for_pair(fit_dir / stage, source, target)
-    translated, rows = layer_attribution(Side(source.model, source.layout), Side(target.model, target.layout),
-                                         model_inputs(val), translator)
+    sides = Side(source.model, source.layout), Side(target.model, target.layout)
+    if same_tokenizer(source, target):
+        translated, rows = layer_attribution(*sides, model_inputs(val), translator)
+    else:  # the target's own objects are read at the aligned target positions (App. K)
+        translated, rows = cross_layer_attribution(*sides, val, translator)
     return {"source": source.name, "target": target.name, "stage": stage, "fit_dir": str(fit_dir), "n_val": len(val),
             "translated": translated.summary(), "rows": [r.row(translated.mean) for r in rows],
             "wall_s": round(time.perf_counter() - started, 1)}

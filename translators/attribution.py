@@ -8,7 +8,7 @@ rotary key carried about half of the closed form's KL (README, "Where the remain
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +16,16 @@ import torch
 from translators.capture import capture
 from translators.checkpoint_selection import paired_difference
 from translators.continuation import cache_logits, kl_per_position, teacher_logits
+from translators.cross import CrossSample, source_capture, student_hidden_cross, teacher_hidden_cross, translated_tensors
+from translators.distill import logits_from_hidden
 from translators.errors import ConfigError
 from translators.inject import write_cache
 from translators.stage1 import Side, ValidationKL
 from translators.translator import Translator
 
 ALL_OBJECTS = "all"
+Objects = dict[str, list[torch.Tensor]]  # object name → per target layer [n_tokens, width]
+KLOf = Callable[[Objects], torch.Tensor]  # the target's cache objects → KL per continuation position [m]
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,54 @@ def layer_attribution(source: Side, target: Side, samples: Sequence[tuple[torch.
     Raises:
         ConfigError: fewer than two samples (a paired standard error needs two).
     """
+
+    def scorer(sample: tuple[torch.Tensor, torch.Tensor]) -> tuple[Objects, Objects, KLOf]:
+        prefix, continuation = sample
+        teacher = teacher_logits(target.model, prefix, continuation)
+        cap = capture(source.model, source.layout, prefix[:-1], translator.point)
+        native = capture(target.model, target.layout, prefix[:-1], translator.point).objects
+
+        def kl_with(objects: Objects) -> torch.Tensor:
+            cache = write_cache(target.model, target.layout, objects, point=translator.point)
+            return kl_per_position(teacher, cache_logits(target.model, cache, prefix, continuation))
+
+        return translator.translate_objects(cap.objects, cap.token_ids), native, kl_with
+
+    return _substitutions(samples, translator, scorer)
+
+
+def cross_layer_attribution(source: Side, target: Side, samples: Sequence[CrossSample],
+                            translator: Translator) -> tuple[ValidationKL, list[Substitution]]:
+    """`layer_attribution` for a cross-tokenizer pair: the mixed cache of each sample (translated content, the target's
+    own boilerplate) with one object at a time the target's own. The target's own object of a translated source token
+    is the target's capture at the token's assigned position (App. K's j(i)): in a 1:1 group exactly its object for
+    the same text; in a larger group, that of the target token the source token is written at.
+
+    Raises:
+        ConfigError: fewer than two samples, or a sample without a continuation.
+    """
+    def scorer(sample: CrossSample) -> tuple[Objects, Objects, KLOf]:
+        if sample.continuation_ids.numel() < 1:
+            raise ConfigError("zero-length continuation: layer attribution scores the continuation's tokens")
+        model = target.model
+        teacher = logits_from_hidden(model, teacher_hidden_cross(model, sample))
+        own = capture(model, target.layout, sample.target_ids, translator.point).objects
+        native = {name: [x[sample.positions] for x in per_layer] for name, per_layer in own.items()}
+
+        def kl_with(objects: Objects) -> torch.Tensor:
+            hidden = student_hidden_cross(model, target.layout, sample, objects, translator.point)
+            return kl_per_position(teacher, logits_from_hidden(model, hidden))
+
+        return translated_tensors(translator, source_capture(source, sample, translator.point), sample), native, kl_with
+
+    return _substitutions(samples, translator, scorer)
+
+
+
+def _substitutions(samples: Sequence, translator: Translator,
+                   scorer: Callable[[object], tuple[Objects, Objects, KLOf]]) -> tuple[ValidationKL, list[Substitution]]:
+    """The shared loop: `scorer(sample)` gives the translated objects, the target's own objects of the same tokens
+    and the KL of a cache built from any mix of the two."""
     if len(samples) < 2:
         raise ConfigError(f"layer attribution needs at least 2 samples, got {len(samples)}")
     groups = [(name,) for name in translator.objects] + ([translator.objects] if len(translator.objects) > 1 else [])
@@ -58,16 +110,8 @@ def layer_attribution(source: Side, target: Side, samples: Sequence[tuple[torch.
     firsts: list[float] = []
     per_key: dict[tuple, tuple[list[float], list[float]]] = {key: ([], []) for key in keys}
     with torch.no_grad():
-        for prefix, continuation in samples:
-            teacher = teacher_logits(target.model, prefix, continuation)
-            cap = capture(source.model, source.layout, prefix[:-1], translator.point)
-            native = capture(target.model, target.layout, prefix[:-1], translator.point).objects
-            translated = translator.translate_objects(cap.objects, cap.token_ids)
-
-            def kl_with(objects: dict[str, list[torch.Tensor]]) -> torch.Tensor:
-                cache = write_cache(target.model, target.layout, objects, point=translator.point)
-                return kl_per_position(teacher, cache_logits(target.model, cache, prefix, continuation))
-
+        for sample in samples:
+            translated, native, kl_with = scorer(sample)
             kl = kl_with(translated)
             base.append(kl.mean().item())
             firsts.append(kl[0].item())
