@@ -205,7 +205,9 @@ def _cause(err: Exception) -> str:
 
 def ordered_map(actors: list, method: str, items: Sequence, *args, on_result: Callable[[int, Any], None] | None = None) -> list:
     """Call `actor.<method>(*args, item)` for every item, at most one call in flight per actor; results in item
-    order (as `ray.util.ActorPool.map`).
+    order (as `ray.util.ActorPool.map`). With `on_result`, each result goes to it as it arrives and the list
+    returned is empty: a caller that stores results (e.g. statistics shards, each as large as their sum) does not
+    hold them all at once.
 
     Raises:
         ClusterError: a call failed (the first failure's cause; KvlingoErrors re-raised as they are).
@@ -216,9 +218,10 @@ def ordered_map(actors: list, method: str, items: Sequence, *args, on_result: Ca
     out = []
     try:
         for i, result in enumerate(pool.map(lambda a, item: getattr(a, method).remote(*args, item), list(items))):
-            out.append(result)
             if on_result:
                 on_result(i, result)
+            else:
+                out.append(result)
     except Exception as err:
         cause = getattr(err, "cause", None)
         if isinstance(cause, KvlingoError):

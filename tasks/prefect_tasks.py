@@ -53,7 +53,7 @@ def ray_stats_task(plan: FitPlan, shards: list[list]) -> dict[str, int]:
 
 
 def load_shards(plan: FitPlan, shards: list[list]) -> dict:
-    return merge_stats([shard_stats(plan, shard) for shard in shards])
+    return merge_stats(shard_stats(plan, shard) for shard in shards)
 
 
 @task(name="closed-form", cache_policy=NO_CACHE)

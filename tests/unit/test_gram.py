@@ -211,3 +211,39 @@ def test_token_features_are_kept_once_and_assemble_the_concatenated_design(tmp_p
         st.accumulate(src, tgt)
     with pytest.raises(PairMismatchError, match="d_tok"):
         st.merge(GramStats.empty("keys", CANDS, D_SRC, D_TGT))
+
+
+def test_fit_merges_shards_one_at_a_time_to_the_one_pass_sums():
+    """tasks.fit.merge_stats folds a generator of shards: equal to one pass, and an early shard is freed before the
+    next ones are read (a 1024-conversation SmolLM2 → Gemma-3 fit ran out of 24 GB holding every shard)."""
+    import gc
+    import weakref
+
+    from tasks.fit import merge_stats
+
+    chunks = [_data(10, seed) for seed in range(4)]
+    one_pass = GramStats.empty("keys", CANDS, D_SRC, D_TGT)
+    for src, tgt in chunks:
+        one_pass.accumulate(src, tgt)
+    alive_when_read: list[bool] = []
+    first: list[weakref.ref] = []
+
+    def shards():
+        for k, (src, tgt) in enumerate(chunks):
+            if k >= 2:
+                gc.collect()
+                alive_when_read.append(first[0]() is not None)
+            part = GramStats.empty("keys", CANDS, D_SRC, D_TGT)
+            part.accumulate(src, tgt)
+            if k == 0:
+                first.append(weakref.ref(part))
+            yield {"keys": part}
+            del part
+
+    merged = merge_stats(shards())["keys"]
+    for key, value in one_pass.xx.items():
+        torch.testing.assert_close(merged.xx[key], value, rtol=1e-12, atol=1e-12)
+    assert merged.n_tokens == one_pass.n_tokens == 40
+    assert alive_when_read == [False, False]
+    with pytest.raises(ConfigError, match="no statistics to merge"):
+        merge_stats(iter([]))
