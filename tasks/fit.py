@@ -413,7 +413,7 @@ def ray_shard_stats(plan: FitPlan, shards: list[list], progress=None, task=None)
 
     ordered_map(actors, "gram_shard", [model_inputs(shards[i]) for i in todo], spec, on_result=finished)
     if progress is not None and task is not None:  # the shards that were already stored
-        progress.advance(task, sum(len(shards[i]) for i in range(len(shards)) if i not in set(todo)))
+        progress.advance(task, sum(len(shard) for shard in shards) - sum(len(shards[i]) for i in todo))
 
 
 def merge_stats(parts: Iterable[dict]) -> dict:

@@ -16,7 +16,14 @@ import torch
 from translators.capture import capture
 from translators.checkpoint_selection import paired_difference
 from translators.continuation import cache_logits, kl_per_position, teacher_logits
-from translators.cross import CrossSample, source_capture, student_hidden_cross, teacher_hidden_cross, translated_tensors
+from translators.cross import (
+    CrossSample,
+    check_continuation,
+    source_capture,
+    student_hidden_cross,
+    teacher_hidden_cross,
+    translated_tensors,
+)
 from translators.distill import logits_from_hidden
 from translators.errors import ConfigError
 from translators.inject import write_cache
@@ -81,8 +88,7 @@ def cross_layer_attribution(source: Side, target: Side, samples: Sequence[CrossS
         ConfigError: fewer than two samples, or a sample without a continuation.
     """
     def scorer(sample: CrossSample) -> tuple[Objects, Objects, KLOf]:
-        if sample.continuation_ids.numel() < 1:
-            raise ConfigError("zero-length continuation: layer attribution scores the continuation's tokens")
+        check_continuation(sample)
         model = target.model
         teacher = logits_from_hidden(model, teacher_hidden_cross(model, sample))
         own = capture(model, target.layout, sample.target_ids, translator.point).objects

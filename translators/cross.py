@@ -118,7 +118,7 @@ class CrossSample:
         return runs
 
 
-def _check_continuation(sample: CrossSample) -> None:
+def check_continuation(sample: CrossSample) -> None:
     if sample.continuation_ids.numel() < 1:
         raise ConfigError("zero-length continuation: every training or validation sample needs ≥ 1 continuation token")
 
@@ -170,7 +170,7 @@ def cross_attention_weights(target: Side, sample: CrossSample) -> torch.Tensor:
     Raises:
         ConfigError: a zero-length continuation (no queries to weight by).
     """
-    _check_continuation(sample)
+    check_continuation(sample)
     return group_attention_weights(attention_weights(target, sample.target_ids, sample.continuation_ids),
                                    sample.target_group, sample.source_group)
 
@@ -331,7 +331,7 @@ def cross_sample_loss(
     Raises:
         ConfigError: an empty continuation.
     """
-    _check_continuation(sample)
+    check_continuation(sample)
     if teacher is None:
         teacher = teacher_hidden_cross(target.model, sample)
     student = student_hidden_cross(target.model, target.layout, sample, translated_tensors(translator, cap, sample),
@@ -359,7 +359,7 @@ def cross_validation_kl(
     if not samples:
         raise ConfigError("empty validation set: hold out at least one conversation (raise the sample count)")
     for sample in samples:
-        _check_continuation(sample)
+        check_continuation(sample)
     if condition not in CONTROL_CONDITIONS:
         raise ConfigError(f"unknown condition {condition!r}; choose from {', '.join(CONTROL_CONDITIONS)}")
     if condition == "translated" and translator is None:
