@@ -624,6 +624,57 @@ def report(
     print_report(db, Console())
 
 
+store_app = typer.Typer(
+    help="The stage-1 statistics store ($KVLINGO_HOME/stats): what it holds (show) and freeing space (prune).",
+    no_args_is_help=True, add_completion=False
+)
+app.add_typer(store_app, name="stats-store")
+
+
+@store_app.command("show")
+def stats_store_show(
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """How many statistics shards the store holds, their size, and when a fit last read the oldest and newest."""
+    from tasks.stats_store import store_root, store_usage
+
+    usage = store_usage(store_root())
+    if as_json:
+        sys.stdout.write(json.dumps(usage) + "\n")
+        return
+    def when(stamp: float | None) -> str:
+        return "—" if stamp is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp))
+
+    Console().print(f"{usage['root']}: {usage['entries']} shard(s), {usage['bytes'] / 1e9:.2f} GB"
+                    f" ({usage['tmp_entries']} temporary); last read: oldest {when(usage['oldest_use'])},"
+                    f" newest {when(usage['newest_use'])}", soft_wrap=True)
+
+
+@store_app.command("prune")
+def stats_store_prune(
+    max_gb: Annotated[float | None, typer.Option(help="keep at most this many GB, the most recently read shards")] = None,
+    unused_days: Annotated[float | None, typer.Option(help="remove shards no fit has read for this many days")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="only list what would be removed")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object on stdout")] = False,
+) -> None:
+    """Remove whole statistics shards (least recently read first) and temporary ones left by killed fits.
+
+    A later fit recomputes any shard it needs. Do not prune while a fit of the same pair is in stage 1.
+    """
+    from tasks.stats_store import prune_store, store_root
+
+    try:
+        result = prune_store(store_root(), max_gb=max_gb, unused_days=unused_days, dry_run=dry_run)
+    except KvlingoError as err:
+        _fail(err)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    verb = "would remove" if dry_run else "removed"
+    Console().print(f"{verb} {len(result['removed'])} shard(s), {result['freed_bytes'] / 1e9:.2f} GB; "
+                    f"{result['kept']} kept, {result['kept_bytes'] / 1e9:.2f} GB ({result['root']})", soft_wrap=True)
+
+
 @app.command()
 def ui(
     port: Annotated[int, typer.Option(min=1, max=65535, help="port to listen on")] = 5000,

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from infra.config import FitConfig
-from infra.settings import kvlingo_home
 from tasks.fit import STATS_SHARD_SIZE, distill_seeds, plan_fit, progress_bars, sharded_stats, solve_closed_form
+from tasks.stats_store import store_root
 
 
 def run_fit(config: FitConfig) -> dict[str, Any]:
@@ -30,7 +30,8 @@ def run_fit(config: FitConfig) -> dict[str, Any]:
         val_stats, val_shards = sharded_stats(plan, plan.val, progress, "stage 1: held-out statistics")
         reused = train_shards["reused"] + val_shards["reused"]
         if reused:
-            progress.console.print(f"stage 1: reused {reused} finished statistics shard(s) from {kvlingo_home() / 'stats'}")
+            progress.console.print(f"stage 1: reused {reused} finished statistics shard(s) from {store_root()}; "
+                                   "`kvlingo stats-store` shows and prunes it")
     translator, summary = solve_closed_form(plan, stats, val_stats)
     summary["stats_shards"] = {"train": train_shards, "val": val_shards, "shard_size": STATS_SHARD_SIZE}
     if not config.stage1_only:

@@ -24,7 +24,6 @@ from infra.config import FitConfig, dump_config
 from infra.data_manifest import build_manifest
 from infra.fingerprint import fingerprint, fingerprint_fields
 from infra.rundirs import run_dir
-from infra.settings import kvlingo_home
 from translators.errors import ConfigError
 from translators.layout import is_hybrid
 from translators.objects import object_names
@@ -308,7 +307,9 @@ def shard_samples(samples: list, size: int = STATS_SHARD_SIZE) -> list[list]:
 
 def stats_store(plan: FitPlan, samples: list) -> Path:
     """Where the statistics of `samples` live in the content-addressed store."""
-    return kvlingo_home() / "stats" / stats_key(plan, samples)
+    from tasks.stats_store import store_root
+
+    return store_root() / stats_key(plan, samples)
 
 
 def stats_stored(plan: FitPlan, samples: list) -> bool:
@@ -325,6 +326,7 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
     A shard is written to a temporary directory and renamed into place, so a killed process never leaves a
     half-written shard under its final name.
     """
+    from tasks.stats_store import mark_used
     from translators.cross import accumulate_samples
     from translators.gram import GramStats
     from translators.stage1 import empty_stats
@@ -333,6 +335,7 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
     if stats_stored(plan, samples):
         if progress is not None and task is not None:
             progress.advance(task, len(samples))
+        mark_used(store)
         return {name: GramStats.load(store / f"{name}.safetensors") for name in object_names(plan.target.layout)}
     src, tgt = plan.sides
     tokens = plan.token_identity

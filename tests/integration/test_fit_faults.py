@@ -118,11 +118,14 @@ def test_killed_fit_reuses_finished_shards_and_gives_bit_identical_closed_form(s
     assert len(survived) == 1, survived  # killed while the second training shard was in progress
     assert not list((home / "runs").rglob("weights.safetensors"))  # no closed form was written
 
+    read_from = time.time()
     resumed = fit(setup, home)
     assert resumed["stats_shards"]["train"] == {"shards": 3, "reused": 1, "computed": 2}
     after = finished_shards(home)
     for key, stamp in survived.items():
         assert after[key] == stamp, f"finished shard {key} was recomputed"  # same inodes, same mtime
+        # ... and its directory records the read, which `kvlingo stats-store prune --max-gb` keeps longest
+        assert (home / "stats" / key).stat().st_mtime >= read_from - 1
     assert set(after) == set(finished_shards(setup["root"] / "home-uninterrupted"))  # same content addresses
 
     expected, got = closed_form(reference), closed_form(resumed)
