@@ -19,8 +19,11 @@ def fitted(tmp_path_factory):
     data = root / "docs.jsonl"
     data.write_text("\n".join(json.dumps({"text": words(120, seed=i)}) for i in range(30)))
     common = dict(data=str(data), max_prefix_tokens=40, max_continuation_tokens=8, n_train=16, n_val=4, stage1_only=True)
-    run_fit(FitConfig(source=a, target=b, output_dir=root / "ab", **common))
-    run_fit(FitConfig(source=b, target=a, output_dir=root / "ba", **common))
+    with pytest.MonkeyPatch.context() as patch:  # the fits' statistics shards stay out of the user's store
+        patch.setenv("KVLINGO_HOME", str(root / "home"))
+        run_fit(FitConfig(source=a, target=b, output_dir=root / "ab", **common))
+        run_fit(FitConfig(source=b, target=a, output_dir=root / "ba", **common))
+    assert len(list((root / "home" / "stats").iterdir())) == 4  # two shards (train, held-out) per direction
     return a, b, root
 
 
