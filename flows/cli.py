@@ -6,6 +6,7 @@ and errors go to stderr. Exit code 0 means success, 1 a failed check, 2 bad inpu
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import time
@@ -197,7 +198,8 @@ def fit(
     A pair with a linear-attention hybrid side (Gated DeltaNet) fits every state strategy it admits (zero, copy,
     copy + correction, replay) and keeps the best on the selection conversations; --track does not take hybrids yet.
 
-    Exit code 1 when training diverges (NaN/Inf loss or gradients: lower the learning rate), 2 on bad input.
+    Exit code 1 when training diverges (NaN/Inf loss or gradients: lower the learning rate) or the disk fills (the
+    message says how to free the statistics store; a re-run resumes), 2 on bad input.
     """
     from flows.fit import run_fit
     from infra.config import FitConfig, load_config
@@ -224,6 +226,12 @@ def fit(
         _fail(err, 1)
     except KvlingoError as err:
         _fail(err)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        from tasks.stats_store import disk_full_message
+
+        _fail(disk_full_message(err), 1)  # the machine, not the input: a failed run
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
         return

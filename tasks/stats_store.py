@@ -121,3 +121,12 @@ def store_usage(root: Path) -> dict:
             "tmp_entries": len(entries) - len(finished),
             "oldest_use": finished[0].last_used if finished else None,
             "newest_use": finished[-1].last_used if finished else None}
+
+
+def disk_full_message(err: OSError) -> str:
+    """What to do when a fit ran out of disk: how much the store holds and how to free it (a re-run resumes)."""
+    usage = store_usage(store_root())
+    return (f"no space left on the device writing {err.filename or 'a file'}. The stage-1 statistics store "
+            f"{usage['root']} holds {usage['bytes'] / 1e9:.1f} GB in {usage['entries']} shard(s): "
+            "`kvlingo stats-store prune --max-gb G` keeps the most recently read G GB. Re-running the same command "
+            "then resumes from the finished statistics shards and the last stage-2 checkpoint.")

@@ -1,6 +1,7 @@
 """CLI contracts across commands: help texts, exit codes (1 divergence, 2 bad input), --gpu validation, and
 `bench multiturn` with translator references."""
 
+import errno
 import json
 import typing
 
@@ -56,6 +57,32 @@ def test_divergence_exits_1_with_the_message(model_dir, kvlingo_home, monkeypatc
     result = runner.invoke(app, ["fit", model_dir, model_dir, "--steps", "3", "--json"])
     assert result.exit_code == 1, result.output
     assert "loss is nan at step 3" in flat(result.stderr) and result.stdout == ""
+
+
+def test_a_full_disk_exits_1_naming_the_store_and_how_to_free_it(model_dir, kvlingo_home, monkeypatch):
+    shard = kvlingo_home / "stats" / "abc"
+    shard.mkdir(parents=True)
+    (shard / "keys.safetensors").write_bytes(b"x" * 3_000_000)
+
+    def disk_full(config):
+        raise OSError(errno.ENOSPC, "No space left on device", str(kvlingo_home / "runs" / "optimizer.safetensors"))
+
+    monkeypatch.setattr(flows.fit, "run_fit", disk_full)
+    result = runner.invoke(app, ["fit", model_dir, model_dir, "--json"])
+    assert result.exit_code == 1, result.output
+    message = flat(result.stderr)
+    assert "no space left on the device writing" in message and "optimizer.safetensors" in message
+    assert f"{kvlingo_home / 'stats'} holds 0.0 GB in 1 shard(s)" in message
+    assert "kvlingo stats-store prune --max-gb G" in message and result.stdout == ""
+
+
+def test_other_os_errors_of_a_fit_are_not_relabelled(model_dir, kvlingo_home, monkeypatch):
+    def denied(config):
+        raise PermissionError(errno.EACCES, "Permission denied", "/somewhere")
+
+    monkeypatch.setattr(flows.fit, "run_fit", denied)
+    result = runner.invoke(app, ["fit", model_dir, model_dir, "--json"])
+    assert isinstance(result.exception, PermissionError)
 
 
 def test_gpu_needs_workers(model_dir, kvlingo_home):
