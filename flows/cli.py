@@ -650,6 +650,7 @@ def stats_store_show(
     if as_json:
         sys.stdout.write(json.dumps(usage) + "\n")
         return
+
     def when(stamp: float | None) -> str:
         return "—" if stamp is None else time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp))
 

@@ -24,6 +24,7 @@ from infra.config import FitConfig, dump_config
 from infra.data_manifest import build_manifest
 from infra.fingerprint import fingerprint, fingerprint_fields
 from infra.rundirs import run_dir
+from tasks.stats_store import mark_used, store_root
 from translators.errors import ConfigError
 from translators.layout import is_hybrid
 from translators.objects import object_names
@@ -307,8 +308,6 @@ def shard_samples(samples: list, size: int = STATS_SHARD_SIZE) -> list[list]:
 
 def stats_store(plan: FitPlan, samples: list) -> Path:
     """Where the statistics of `samples` live in the content-addressed store."""
-    from tasks.stats_store import store_root
-
     return store_root() / stats_key(plan, samples)
 
 
@@ -326,7 +325,6 @@ def shard_stats(plan: FitPlan, samples: list, progress=None, description: str = 
     A shard is written to a temporary directory and renamed into place, so a killed process never leaves a
     half-written shard under its final name.
     """
-    from tasks.stats_store import mark_used
     from translators.cross import accumulate_samples
     from translators.gram import GramStats
     from translators.stage1 import empty_stats
